@@ -1,0 +1,87 @@
+"""The rollout contract every engine implements.
+
+A :class:`Rollout` is what one ``generate`` call returns: ``N = len(prompts) * n`` samples, prompt
+``i`` repeated ``n`` times consecutively (``prompt_index[j] == j // n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How responses are sampled.
+
+    Args:
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus sampling mass (1.0 disables it).
+        top_k: keep the k most likely tokens (0 disables it).
+        max_new_tokens: hard limit on response tokens; a response cut here has finish reason ``"length"``.
+        stop: strings that end a response (e.g. ``"\\n\\nHuman:"``); the stop string is not part of the response.
+        seed: seed for this call's sampling (None: the engine's own generator state).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Rollout:
+    """Sampled responses, right-padded, with the engine's log-probs.
+
+    Shapes use ``N`` samples, ``P`` prompt tokens (left-padded), ``T`` response tokens (right-padded).
+
+    Attributes:
+        prompts: (N,) prompt strings, each repeated ``n`` times.
+        prompt_index: (N,) long, index of the prompt in the ``generate`` call.
+        prompt_ids: (N, P) long, left-padded prompt token ids.
+        prompt_mask: (N, P) bool, True on real prompt tokens.
+        response_ids: (N, T) long, right-padded response token ids (EOS included when produced).
+        response_mask: (N, T) bool, True on real response tokens.
+        logprobs: (N, T) float, log-prob of each sampled token under ``log_softmax(logits / temperature)``
+            (no top-k/top-p truncation); 0 on padding.
+        texts: (N,) decoded responses (special tokens and stop strings removed).
+        finish_reasons: (N,) ``"stop"`` (EOS or a stop string) or ``"length"``.
+        n: samples per prompt.
+    """
+
+    prompts: list[str]
+    prompt_index: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    texts: list[str]
+    finish_reasons: list[str]
+    n: int
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """(N,) number of real response tokens."""
+        return self.response_mask.sum(-1)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses from the current policy.
+
+    ``sync(policy)`` loads the policy's current weights into the engine (a no-op for engines that
+    generate with the training model itself); ``generate`` samples ``n`` responses per prompt.
+    """
+
+    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> Rollout: ...
+
+    def sync(self, policy: torch.nn.Module) -> None: ...
