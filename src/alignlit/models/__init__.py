@@ -1,0 +1,27 @@
+"""Model loading, tiny-model and tokenizer factories, and Hugging Face export."""
+
+from alignlit.models.export import export_pretrained, read_metadata
+from alignlit.models.loading import (
+    ScalarHeadModel,
+    last_token_index,
+    load_policy,
+    load_scalar_model,
+    load_tokenizer,
+)
+from alignlit.models.tiny import TinyLlama, make_tiny_llama, tiny_llama_config
+from alignlit.models.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
+
+__all__ = [
+    "HH_CHAT_TEMPLATE",
+    "ScalarHeadModel",
+    "TinyLlama",
+    "export_pretrained",
+    "last_token_index",
+    "load_policy",
+    "load_scalar_model",
+    "load_tokenizer",
+    "make_tiny_llama",
+    "read_metadata",
+    "tiny_llama_config",
+    "train_bpe_tokenizer",
+]
