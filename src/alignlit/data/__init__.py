@@ -1,0 +1,34 @@
+"""Record formats, tokenisation with an explicit truncation policy, and DataModules."""
+
+from alignlit.data.encoding import Encoded, LMBatch, Truncation, collate_lm, pad_left, pad_right
+from alignlit.data.records import (
+    DataError,
+    Record,
+    parse_prompt,
+    parse_prompt_response,
+    read_records,
+    split_hh,
+)
+from alignlit.data.sampler import ResumableDataLoader, ResumableSampler, make_loader
+from alignlit.data.sft import PromptDataModule, SFTDataModule, split_indices
+
+__all__ = [
+    "DataError",
+    "Encoded",
+    "LMBatch",
+    "PromptDataModule",
+    "Record",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "SFTDataModule",
+    "Truncation",
+    "collate_lm",
+    "make_loader",
+    "pad_left",
+    "pad_right",
+    "parse_prompt",
+    "parse_prompt_response",
+    "read_records",
+    "split_hh",
+    "split_indices",
+]

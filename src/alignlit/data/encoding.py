@@ -1,0 +1,122 @@
+"""Tokenising (prompt, response) pairs with an explicit truncation policy, and batch collation."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from alignlit.data.records import DataError
+
+Overflow = Literal["truncate", "drop", "error"]
+
+
+@dataclass
+class Encoded:
+    """Token ids of ``prompt + response (+ EOS)`` and where the response starts."""
+
+    input_ids: list[int]
+    prompt_length: int
+
+
+class Truncation:
+    """The truncation policy, applied the same way by every DataModule.
+
+    Prompts longer than ``max_prompt_length`` lose tokens from the left (the start of the
+    dialogue), so the most recent turn survives. The response is kept whole; if prompt + response
+    still exceed ``max_length``: ``overflow="truncate"`` cuts the response from the right (it then
+    has no EOS), ``"drop"`` drops the example, ``"error"`` raises naming the row. Every truncation
+    and drop is counted in :attr:`counts` so DataModules can report them.
+    """
+
+    def __init__(
+        self, tokenizer, *, max_length: int, max_prompt_length: int, overflow: Overflow = "truncate"
+    ):
+        if max_prompt_length >= max_length:
+            raise ValueError(f"max_prompt_length ({max_prompt_length}) must be < max_length ({max_length})")
+        if overflow not in ("truncate", "drop", "error"):
+            raise ValueError(f"overflow must be 'truncate', 'drop' or 'error', got {overflow!r}")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_prompt_length = max_prompt_length
+        self.overflow = overflow
+        self.counts: Counter[str] = Counter()
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        if len(ids) > self.max_prompt_length:
+            self.counts["prompts_left_truncated"] += 1
+            ids = ids[-self.max_prompt_length :]
+        return ids
+
+    def encode(self, prompt: str, response: str, source: str, *, add_eos: bool = True) -> Encoded | None:
+        """Encode one pair; None when the policy drops it."""
+        prompt_ids = self.encode_prompt(prompt)
+        response_ids = self.tokenizer(response, add_special_tokens=False).input_ids
+        if not response_ids:
+            raise DataError(f"{source}: response tokenises to nothing")
+        if add_eos:
+            response_ids = [*response_ids, self.tokenizer.eos_token_id]
+        budget = self.max_length - len(prompt_ids)
+        if len(response_ids) > budget:
+            if self.overflow == "error":
+                raise DataError(
+                    f"{source}: prompt ({len(prompt_ids)} tokens after truncation) + response "
+                    f"({len(response_ids)} tokens) exceed max_length={self.max_length}"
+                )
+            if self.overflow == "drop":
+                self.counts["dropped_over_max_length"] += 1
+                return None
+            self.counts["responses_right_truncated"] += 1
+            response_ids = response_ids[:budget]
+        return Encoded(prompt_ids + response_ids, len(prompt_ids))
+
+
+def pad_right(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists: (ids (B, T) long, mask (B, T) bool)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = True
+    return ids, mask
+
+
+def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists (for generation): (ids (B, T) long, mask (B, T) bool)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = True
+    return ids, mask
+
+
+@dataclass
+class LMBatch:
+    """A right-padded batch of prompt + response sequences.
+
+    Attributes:
+        input_ids: (B, T) long.
+        attention_mask: (B, T) bool, True on real tokens.
+        loss_mask: (B, T) bool, True on response tokens (the ones the loss is taken over).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def collate_lm(examples: list[Encoded], pad_id: int) -> LMBatch:
+    ids, attn = pad_right([e.input_ids for e in examples], pad_id)
+    positions = torch.arange(ids.shape[1])[None, :]
+    prompt_len = torch.tensor([e.prompt_length for e in examples])[:, None]
+    return LMBatch(ids, attn, attn & (positions >= prompt_len))

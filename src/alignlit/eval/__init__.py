@@ -1,0 +1,1 @@
+"""Evaluation: gold reward of policies on the simulated task, best-of-n, win rates."""

@@ -1,0 +1,123 @@
+"""What every stage shares: export of the result, the optimizer schedule, the NaN guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from alignlit.models.export import export_pretrained
+
+
+def warmup_cosine(optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1):
+    """Linear warmup to the base LR over ``warmup_steps``, then cosine decay to ``min_lr_ratio``
+    times the base LR at ``total_steps`` (a LambdaLR stepped every optimizer step)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def adamw_with_schedule(
+    params,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+):
+    """AdamW plus :func:`warmup_cosine`, as the dict Lightning's ``configure_optimizers`` returns."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    scheduler = warmup_cosine(
+        optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def check_finite(loss: torch.Tensor, *, what: str, step: int, metrics: dict[str, Any] | None = None) -> None:
+    """Raise (never continue silently) when a loss is NaN or infinite."""
+    if not torch.isfinite(loss).all():
+        detail = ", ".join(f"{k}={float(v):.4g}" for k, v in (metrics or {}).items() if torch.is_tensor(v))
+        raise FloatingPointError(
+            f"{what} is {loss.item()} at global step {step}"
+            + (f" ({detail})" if detail else "")
+            + "; lower the learning rate, check the data, or enable gradient clipping"
+        )
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"class": type(value).__name__, **dataclasses.asdict(value)}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+class AlignModule(L.LightningModule):
+    """Base of every alignlit stage.
+
+    Subclasses set :attr:`stage` and implement :meth:`export_model` (the model whose weights are the
+    stage's result). At the end of ``fit`` the result is written to ``export_dir`` as a Hugging Face
+    directory with an ``alignlit.json`` saying which stage, config and data produced it.
+    """
+
+    stage: str = "base"
+    tokenizer: Any = None
+
+    def __init__(self, export_dir: str | None = None):
+        super().__init__()
+        self.export_dir = export_dir
+        #: the full CLI config, filled in by ``alignlit`` so the export records it
+        self.cli_config: dict[str, Any] | None = None
+
+    def export_model(self):
+        raise NotImplementedError
+
+    def export_metrics(self) -> dict[str, float]:
+        return {
+            k: float(v)
+            for k, v in self.trainer.callback_metrics.items()
+            if torch.is_tensor(v) and v.numel() == 1
+        }
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write this stage's result to ``out_dir`` (see :func:`alignlit.models.export_pretrained`)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        data = _plain(dict(dm.hparams)) if dm is not None else {}
+        if dm is not None:
+            data["class"] = type(dm).__name__
+        config = self.cli_config or {"model": {"class": type(self).__name__, **_plain(dict(self.hparams))}}
+        metrics = self.export_metrics() if self._trainer is not None else {}
+        return export_pretrained(
+            self.export_model(),
+            self.tokenizer,
+            out_dir,
+            stage=self.stage,
+            config=config,
+            data=data,
+            metrics=metrics,
+        )
+
+    @rank_zero_only
+    def _export_on_fit_end(self) -> None:
+        if self.export_dir:
+            path = self.export(self.export_dir)
+            print(f"alignlit: exported {self.stage} result to {path}")
+
+    def on_fit_end(self) -> None:
+        self._export_on_fit_end()

@@ -1,0 +1,84 @@
+"""Supervised fine-tuning on (prompt, response) pairs."""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import MeanMetric
+
+from alignlit.data.encoding import LMBatch
+from alignlit.losses.lm import masked_nll, shift_for_next_token
+from alignlit.models.loading import load_policy
+from alignlit.models.tiny import TinyLlama
+from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+
+
+class SFTModule(AlignModule):
+    """Next-token loss on response tokens (prompt and padding masked out).
+
+    Args:
+        policy: a Hugging Face causal-LM directory, or a :class:`~alignlit.models.TinyLlama` spec
+            to train a tiny model from scratch.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        dtype: dtype the policy is loaded in ("float32", "bfloat16").
+        export_dir: where the trained policy is written as a Hugging Face directory at the end of fit
+            (None: no export).
+    """
+
+    stage = "sft"
+
+    def __init__(
+        self,
+        policy: str | TinyLlama,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        dtype: str = "float32",
+        export_dir: str | None = None,
+    ):
+        super().__init__(export_dir=export_dir)
+        self.save_hyperparameters()
+        self.policy, self.tokenizer = (
+            load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
+        )
+        self.val_nll = MeanMetric()
+
+    def export_model(self):
+        return self.policy
+
+    def nll(self, batch: LMBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Token-mean NLL over the batch's response tokens."""
+        logits = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return masked_nll(*shift_for_next_token(logits, batch.input_ids, batch.loss_mask))
+
+    def training_step(self, batch: LMBatch, batch_idx: int) -> torch.Tensor:
+        loss, metrics = self.nll(batch)
+        check_finite(loss, what="SFT loss", step=self.global_step, metrics=metrics)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        self.log("train/tokens", metrics["tokens"].float(), reduce_fx="sum", batch_size=len(batch))
+        return loss
+
+    def validation_step(self, batch: LMBatch, batch_idx: int) -> None:
+        loss, metrics = self.nll(batch)
+        self.val_nll.update(loss, weight=metrics["tokens"])
+        self.log("val/loss", self.val_nll, prog_bar=True, batch_size=len(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/ppl", torch.exp(self.val_nll.compute()))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return adamw_with_schedule(
+            self.policy.parameters(),
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas),
+            warmup_steps=hp.warmup_steps,
+            total_steps=int(self.trainer.estimated_stepping_batches),
+            min_lr_ratio=hp.min_lr_ratio,
+        )

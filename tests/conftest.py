@@ -1,0 +1,53 @@
+"""Shared fixtures: a tokenizer trained locally and tiny models built from configs (no network)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+SYMBOLS = "abcdefgh"
+
+
+def dialogue_texts(n: int = 400) -> list[str]:
+    """Small HH-style corpus for training a test tokenizer."""
+    out = []
+    for i in range(n):
+        seq = " ".join(SYMBOLS[(i * 7 + j * 3) % 8] for j in range(3 + i % 4))
+        op = ("sort", "reverse", "copy", "dedupe")[i % 4]
+        out.append(f"\n\nHuman: {op} {seq}\n\nAssistant: {seq} ok done")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from alignlit.models import train_bpe_tokenizer
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(dialogue_texts(), vocab_size=320, out_dir=d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from alignlit.models import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=1, head_dim=64, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory, tokenizer):
+    """An exported tiny random policy directory (read-only for tests)."""
+    from alignlit.models import export_pretrained, make_tiny_llama
+
+    d = tmp_path_factory.mktemp("policy") / "tiny"
+    export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, d, stage="init")
+    return d
