@@ -81,7 +81,7 @@ def test_truncation_policy(tokenizer):
     prompt = "\n\nHuman: sort a b c d e f g h a b c d\n\nAssistant:"
     response = " a a b b c c d d"
     p_ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    r_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    r_ids = [*tokenizer(response, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     # prompt keeps its last 6 tokens, response kept whole with EOS
     t = Truncation(tokenizer, max_length=64, max_prompt_length=6)
     enc = t.encode(prompt, response, "f:1")

@@ -35,7 +35,9 @@ def tiny_llama_config(
     )
 
 
-def make_tiny_llama(tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, **config_kwargs) -> LlamaForCausalLM:
+def make_tiny_llama(
+    tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, **config_kwargs
+) -> LlamaForCausalLM:
     """A randomly initialised tiny Llama (see :func:`tiny_llama_config` for the sizes)."""
     config = tiny_llama_config(tokenizer, **config_kwargs)
     with torch.random.fork_rng(devices=[]):
