@@ -138,7 +138,7 @@ def test_loader_state_counts_trained_batches():
     s = ResumableSampler(10, shuffle=False, seed=0)
     loader = ResumableDataLoader(list(range(10)), batch_size=2, sampler=s)
     it = iter(loader)
-    next(it), next(it), next(it)  # Lightning trains on batch 2 while batch 3 is prefetched
+    next(it), next(it)
     assert loader.state_dict() == {"epoch": 0, "batches": 2}
     fresh = ResumableDataLoader(
         list(range(10)), batch_size=2, sampler=ResumableSampler(10, shuffle=False, seed=0)

@@ -49,12 +49,10 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader whose position inside an epoch is saved in Lightning checkpoints.
 
     Lightning calls ``state_dict`` when it writes a checkpoint and ``load_state_dict`` before it
-    resumes; the loader counts the batches it has handed out in the current epoch minus the one the
-    trainer has pre-fetched but not yet trained on, so resuming continues with the next unseen batch.
+    resumes; the loader counts the batches it has handed out in the current epoch, so resuming
+    continues with the next unseen batch. (Lightning pre-fetches nothing from a loader with a
+    length, so every batch handed out has been trained on when a checkpoint is written.)
     """
-
-    #: batches the Lightning fit loop fetches ahead of the one it trains on
-    PREFETCHED = 1
 
     def __init__(self, *args, sampler: ResumableSampler, **kwargs):
         super().__init__(*args, sampler=sampler, **kwargs)
@@ -67,8 +65,7 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        done = max(0, min(self._served, len(self)) - (self.PREFETCHED if self._served < len(self) else 0))
-        return {"epoch": self.sampler.epoch, "batches": done}
+        return {"epoch": self.sampler.epoch, "batches": self._served}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.set_epoch(state["epoch"])

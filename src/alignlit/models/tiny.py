@@ -89,3 +89,8 @@ class TinyLlama:
             max_position_embeddings=self.max_position_embeddings,
         )
         return model, tok
+
+
+# Stages keep their __init__ arguments (a TinyLlama among them) in checkpoints; let torch.load's
+# weights-only unpickler rebuild it on resume.
+torch.serialization.add_safe_globals([TinyLlama])

@@ -1,0 +1,147 @@
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from alignlit.data import SFTDataModule
+from alignlit.models import TinyLlama, load_policy, read_metadata
+from alignlit.modules import SFTModule
+from alignlit.modules.base import check_finite, warmup_cosine
+from tests.conftest import TINY
+
+
+class Killed(Exception):
+    pass
+
+
+class Record(Callback):
+    def __init__(self, crash_at=None):
+        self.losses, self.crash_at = [], crash_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append((trainer.global_step, outputs["loss"].item()))
+        if self.crash_at is not None and trainer.global_step == self.crash_at:
+            raise Killed  # the process dies here, mid-epoch
+
+
+def _data(tmp_path, n=48):
+    f = tmp_path / "sft.jsonl"
+    ops = ["sort", "reverse", "copy"]
+    f.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": f"\n\nHuman: {ops[i % 3]} {'abcdefgh'[i % 8]} c\n\nAssistant:",
+                    "response": f" {'abcdefgh'[(i + 1) % 8]} c ok",
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
+    return f
+
+
+def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps, callbacks, ckpt_path=None):
+    L.seed_everything(0)
+    module = SFTModule(policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), lr=1e-3, warmup_steps=2)
+    dm = SFTDataModule(str(_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        limit_val_batches=0,
+        callbacks=[
+            *callbacks,
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True, save_top_k=-1),
+        ],
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return module
+
+
+def test_sft_resume_is_exact(tmp_path, tokenizer_dir):
+    """Kill mid-epoch (10 batches an epoch) after the step-6 checkpoint, resume: same loss curve."""
+    full = Record()
+    m_full = _run(tmp_path, tokenizer_dir, tmp_path / "a", max_steps=14, callbacks=[full])
+    killed = Record(crash_at=7)
+    with pytest.raises(Killed):
+        _run(tmp_path, tokenizer_dir, tmp_path / "b", max_steps=14, callbacks=[killed])
+    assert killed.losses == full.losses[:7]
+    resumed = Record()
+    m_res = _run(
+        tmp_path,
+        tokenizer_dir,
+        tmp_path / "b",
+        max_steps=14,
+        callbacks=[resumed],
+        ckpt_path=str(tmp_path / "b" / "epoch=0-step=6.ckpt"),
+    )
+    assert resumed.losses == full.losses[6:]  # bit-identical from step 7 on, across the epoch boundary
+    for p, q in zip(m_full.policy.parameters(), m_res.policy.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_warmup_cosine_schedule_values():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup: 1/2, 2/2; then cosine over 4 steps: 0.1 + 0.9*0.5*(1+cos(pi*k/4)), k=0..4
+    expected = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1]
+    assert lrs == pytest.approx(expected)
+
+
+def test_nan_loss_raises_with_step():
+    with pytest.raises(FloatingPointError, match=r"SFT loss is nan at global step 12 \(nll=nan\)"):
+        check_finite(
+            torch.tensor(float("nan")), what="SFT loss", step=12, metrics={"nll": torch.tensor(float("nan"))}
+        )
+
+
+def test_sft_learns_and_exports(tmp_path, tokenizer_dir):
+    """50 steps on a 3-example dataset drive the response NLL far below its initial ln(V)."""
+    f = tmp_path / "sft.jsonl"
+    rows = [
+        {"prompt": "\n\nHuman: copy a b\n\nAssistant:", "response": " a b"},
+        {"prompt": "\n\nHuman: reverse a b\n\nAssistant:", "response": " b a"},
+        {"prompt": "\n\nHuman: sort c a\n\nAssistant:", "response": " a c"},
+    ]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    L.seed_everything(0)
+    module = SFTModule(
+        policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY),
+        lr=3e-3,
+        warmup_steps=5,
+        export_dir=str(tmp_path / "out"),
+    )
+    dm = SFTDataModule(str(f), val_file=str(f), batch_size=3)
+    trainer = L.Trainer(
+        max_steps=60,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=60,
+        check_val_every_n_epoch=None,
+    )
+    trainer.fit(module, dm)
+    vocab = len(module.tokenizer)
+    assert trainer.callback_metrics["val/loss"] < 0.05 * torch.log(torch.tensor(float(vocab)))
+    assert trainer.callback_metrics["val/ppl"] == pytest.approx(
+        torch.exp(trainer.callback_metrics["val/loss"])
+    )
+    meta = read_metadata(tmp_path / "out")
+    assert meta["stage"] == "sft" and meta["data"]["train_file"] == str(f)
+    policy, tok = load_policy(tmp_path / "out")
+    ids = tok("\n\nHuman: reverse a b\n\nAssistant:", return_tensors="pt").input_ids
+    out = policy.generate(ids, max_new_tokens=4, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == " b a"
