@@ -335,8 +335,46 @@ def _all_reduce_worker(rank: int, world_size: int, init_file: str, result_file: 
         torch.distributed.destroy_process_group()
 
 
+def test_running_moments_all_reduce_merges_what_each_rank_gathered(monkeypatch):
+    """Simulated 2-rank gather: rank 0 saw (1, 2), the other rank (4, 10, -3); the merge covers all five."""
+    other = RunningMoments()
+    other.update(torch.tensor([4.0, 10.0, -3.0]))
+
+    def fake_all_gather(outputs, local):
+        outputs[0].copy_(local)
+        outputs[1].copy_(
+            torch.tensor([other.count, other.mean, other.var * (other.count - 1)], dtype=torch.float64)
+        )
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather", fake_all_gather)
+    moments = RunningMoments()
+    moments.update(torch.tensor([1.0, 2.0]))
+    moments.all_reduce()
+    data = np.array([1.0, 2.0, 4.0, 10.0, -3.0])
+    assert moments.count == 5
+    assert moments.mean == pytest.approx(data.mean(), rel=1e-12)
+    assert moments.var == pytest.approx(data.var(ddof=1), rel=1e-12)
+
+
+def test_running_moments_all_reduce_in_a_real_single_rank_group():
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            moments = RunningMoments()
+            moments.update(torch.tensor([1.0, 2.0, 4.0]))
+            before = moments.state_dict()
+            moments.all_reduce()
+        finally:
+            torch.distributed.destroy_process_group()
+    assert moments.state_dict() == pytest.approx(before, rel=1e-15)
+
+
+@pytest.mark.slow
 def test_running_moments_all_reduce_across_two_gloo_ranks():
-    """Rank 0 saw (1, 2), rank 1 saw (4, 10, -3): both must end with the moments of all five values."""
+    """Two real processes: rank 0 saw (1, 2), rank 1 saw (4, 10, -3): both end with the moments of all five."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result")
         torch.multiprocessing.spawn(_all_reduce_worker, args=(2, init_file, result_file), nprocs=2, join=True)

@@ -1,0 +1,33 @@
+"""Pure loss functions: each takes tensors and returns ``(loss, metrics)`` with detached metrics."""
+
+from alignlit.losses.dpo import dpo_loss, ipo_loss, rpo_sft_term
+from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
+from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
+from alignlit.losses.preference import (
+    ab_order_averaged_probability,
+    ab_preference_loss,
+    ab_probability,
+    bradley_terry_loss,
+    reward_model_loss,
+    score_l2_loss,
+)
+from alignlit.losses.rrhf import rrhf_loss
+
+__all__ = [
+    "Reduction",
+    "ab_order_averaged_probability",
+    "ab_preference_loss",
+    "ab_probability",
+    "bradley_terry_loss",
+    "dpo_loss",
+    "entropy_bonus",
+    "ipo_loss",
+    "masked_nll",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "reward_model_loss",
+    "rpo_sft_term",
+    "rrhf_loss",
+    "score_l2_loss",
+    "shift_for_next_token",
+]
