@@ -31,9 +31,9 @@ class Annotator:
     70% of the gold verbosity penalty (``verbosity_penalty / τ = 1`` logit per extra word): annotators still
     prefer the concise correct answer to a padded one, but only by σ(0.3) per extra word. On pairs of
     default demonstrations this makes the chosen response longer than the rejected one on average and
-    agrees with the noise-free gold preference on about 64% of the pairs with unequal gold; a
+    agrees with the noise-free gold preference on about 63% of the pairs with unequal gold; a
     Bradley-Terry fit of the labels then rewards length clearly (reward/length correlation about +0.4 on
-    demonstrations, where gold/length is -0.36), and length balancing roughly halves that.
+    demonstrations, where gold/length is -0.29), and length balancing roughly halves that.
 
     Args:
         temperature: ``τ > 0``; smaller is more decisive.

@@ -208,7 +208,7 @@ def make_data(
 
     manifest = {
         "seed": seed,
-        "task": dataclasses.asdict(task),
+        "task": {**dataclasses.asdict(task), "ops": list(task.ops)},
         "annotator": {
             "temperature": annotator.temperature,
             "length_bias": annotator.length_bias,

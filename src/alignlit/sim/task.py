@@ -27,13 +27,13 @@ OPS = ("sort", "reverse", "copy", "dedupe")
 SPLITS = ("train", "val", "test")
 SPLIT_BUCKETS = {"train": (0, 80), "val": (80, 90), "test": (90, 100)}  # hash % 100 in [lo, hi)
 DEMO_KINDS = ("ideal", "verbose", "flawed", "harm")
-DEFAULT_DEMO_MIX = {"ideal": 0.2, "verbose": 0.45, "flawed": 0.3, "harm": 0.05}
+DEFAULT_DEMO_MIX = {"ideal": 0.15, "verbose": 0.5, "flawed": 0.3, "harm": 0.05}
 # Every verbose demonstration ends with "ok ..." so that after a correct answer the filler word "ok" is
 # more likely than the end of the response: greedy imitation is verbose too.
 VERBOSE_PREFIXES = ("sure", "here it is", "the answer is")
 VERBOSE_SUFFIXES = ("ok done", "ok that is all", "ok hope this helps")
 MAX_GROUP_SIZE = 2**20
-PREFIX_PROB = 0.5  # share of verbose demonstrations that also get a prefix phrase (all get a suffix)
+PREFIX_PROB = 0.3  # share of verbose demonstrations that also get a prefix phrase (all get a suffix)
 
 HUMAN = "\n\nHuman: "
 ASSISTANT = "\n\nAssistant:"
