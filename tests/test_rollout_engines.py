@@ -292,7 +292,7 @@ def test_bad_inputs_raise(tokenizer, policy, engine):
         engine.generate(PROMPTS, 1, SamplingParams(temperature=-1))
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(PROMPTS, 1, SamplingParams(top_p=0))
-    with pytest.raises(ValueError, match="sampling.stop"):
+    with pytest.raises(ValueError, match=r"sampling\.stop"):
         engine.generate(PROMPTS, 1, SamplingParams(stop="\n"))
     with pytest.raises(ValueError, match="single string"):
         engine.generate("a prompt", 1, SamplingParams())
