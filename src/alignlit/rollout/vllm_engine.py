@@ -306,5 +306,9 @@ class VLLMEngine:
             "reload_weights",
             kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True},
         )
-        llm.reset_prefix_cache()
+        if llm.reset_prefix_cache() is False:
+            raise RuntimeError(
+                "sync: vLLM could not reset its prefix cache after loading new weights; cached KV "
+                "blocks of the old weights would be reused"
+            )
         self.weight_pushes += 1

@@ -1,0 +1,170 @@
+"""VLLMEngine against the Hugging Face model it was exported from (real vLLM, CPU build).
+
+Run with ``nox -s vllm`` (or ``pytest -m vllm`` in an environment with the vllm extra). Without
+vLLM the module is skipped with the reason, unless ``ALIGNLIT_REQUIRE_VLLM=1`` (set by the nox
+session), where a missing vLLM is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import random
+
+import pytest
+import torch
+
+from alignlit.models import export_pretrained, make_tiny_llama
+from alignlit.rollout import (
+    HFEngine,
+    ParityError,
+    SamplingParams,
+    VLLMEngine,
+    check_parity,
+    logprob_parity,
+)
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.vllm
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
+        raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
+    pytest.skip(
+        "vllm is not installed (install the vllm extra, see .ci/install-vllm.sh; `nox -s vllm` runs these)",
+        allow_module_level=True,
+    )
+
+PROMPTS = [
+    "\n\nHuman: sort a b c\n\nAssistant:",
+    "\n\nHuman: copy d\n\nAssistant:",
+    "\n\nHuman: reverse h g f e d\n\nAssistant:",
+]
+# Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache holds blocks of it.
+LONG_PROMPT = "\n\nHuman: sort " + " ".join("abcdefgh"[i % 8] for i in range(150)) + "\n\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return make_tiny_llama(tokenizer, seed=0, **TINY)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, tokenizer, policy):
+    d = tmp_path_factory.mktemp("vllm") / "policy"
+    export_pretrained(policy, tokenizer, d, stage="init")
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dir, tokenizer):
+    return VLLMEngine(policy_dir, tokenizer, max_model_len=256)
+
+
+def test_generates_with_the_contract_layout(tokenizer, engine):
+    n = 2
+    r = engine.generate(PROMPTS, n, SamplingParams(temperature=1.0, max_new_tokens=10, seed=0))
+    encoded = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert len(r) == 6 and r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    for j in range(6):
+        assert r.prompt_ids[j][r.prompt_mask[j]].tolist() == encoded[j // n]
+        k = int(r.response_lengths[j])
+        assert r.response_mask[j, :k].all() and not r.response_mask[j, k:].any()
+        assert (r.logprobs[j, k:] == 0).all() and (r.logprobs[j, :k] < 0).all()
+        ends_with_eos = k > 0 and int(r.response_ids[j, k - 1]) == tokenizer.eos_token_id
+        assert r.finish_reasons[j] == ("stop" if ends_with_eos else "length")
+        assert r.texts[j] == tokenizer.decode(r.response_ids[j, :k].tolist(), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_the_hf_model(policy, engine, temperature):
+    """processed_logprobs with top_k=0, top_p=1 is log_softmax(logits / T): parity to float32 round-off."""
+    r = engine.generate(PROMPTS, 2, SamplingParams(temperature=temperature, max_new_tokens=12, seed=1))
+    metrics = check_parity(policy, r, temperature=temperature, tol=1e-4, max_samples=len(r))
+    assert metrics["num_tokens"] == int(r.response_lengths.sum()) > 0
+    assert metrics["max_abs_diff"] < 1e-4
+
+
+def test_greedy_and_stop_strings_agree_with_hf_engine(tokenizer, policy, engine):
+    """Same prompts, greedy, with and without a stop string taken from the middle of a response."""
+    hf = HFEngine(tokenizer, policy)
+    free = SamplingParams(temperature=0.0, max_new_tokens=16)
+    ours, theirs = hf.generate(PROMPTS, 1, free), engine.generate(PROMPTS, 1, free)
+    assert torch.equal(ours.response_ids, theirs.response_ids)
+    assert ours.finish_reasons == theirs.finish_reasons and ours.texts == theirs.texts
+    tokens = ours.response_ids[0][ours.response_mask[0]].tolist()
+    stop = tokenizer.decode(tokens[3:5])
+    cut = SamplingParams(temperature=0.0, max_new_tokens=16, stop=[stop])
+    ours, theirs = hf.generate(PROMPTS, 1, cut), engine.generate(PROMPTS, 1, cut)
+    assert ours.finish_reasons[0] == "stop" and stop not in ours.texts[0]
+    assert torch.equal(ours.response_ids, theirs.response_ids)
+    assert torch.equal(ours.response_mask, theirs.response_mask)
+    assert ours.texts == theirs.texts and ours.finish_reasons == theirs.finish_reasons
+
+
+def test_seeded_calls_reproduce_and_leave_global_rng_alone(engine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
+    torch_state, py_state = torch.get_rng_state(), random.getstate()
+    a, b = engine.generate(PROMPTS, 2, sampling), engine.generate(PROMPTS, 2, sampling)
+    assert torch.equal(torch_state, torch.get_rng_state()) and py_state == random.getstate()
+    assert torch.equal(a.response_ids, b.response_ids)
+    c = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=8))
+    assert not torch.equal(a.response_ids, c.response_ids)
+    # Unseeded calls draw fresh seeds from the engine's own stream.
+    d = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8))
+    e = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8))
+    assert not torch.equal(d.response_ids, e.response_ids)
+
+
+def test_truncated_sampling_is_refused_in_processed_mode(engine):
+    with pytest.raises(ValueError, match="top_k=5"):
+        engine.generate(PROMPTS, 1, SamplingParams(temperature=1.0, top_k=5))
+
+
+def test_sync_after_optimizer_step_and_stale_engine_detection(tokenizer, policy, engine):
+    """An optimizer step moves the policy: the un-synced engine fails parity, a sync restores it.
+
+    The long prompt's first KV block is cached while the engine is stale; a sync must drop it.
+    """
+    trained = copy.deepcopy(policy)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+    batch = tokenizer(["\n\nHuman: sort b a\n\nAssistant: a b"], return_tensors="pt")
+    loss = trained(**batch, labels=batch["input_ids"]).loss
+    loss.backward()
+    optimizer.step()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    prompts = [LONG_PROMPT, *PROMPTS]
+    assert len(tokenizer(LONG_PROMPT)["input_ids"]) > 128
+
+    stale = engine.generate(prompts, 2, sampling)
+    assert logprob_parity(trained, stale, temperature=1.0)["max_abs_diff"] > 1e-2
+    with pytest.raises(ParityError, match="off-policy"):
+        check_parity(trained, stale, temperature=1.0, tol=1e-3)
+
+    pushes = engine.weight_pushes
+    engine.sync(trained)
+    assert engine.weight_pushes == pushes + 1
+    fresh = engine.generate(prompts, 2, sampling)
+    assert check_parity(trained, fresh, temperature=1.0, tol=1e-4)["max_abs_diff"] < 1e-4
+    with pytest.raises(ParityError):
+        check_parity(policy, fresh, temperature=1.0, tol=1e-3)
+
+    engine.sync(policy)  # back to the original weights for the other tests
+    check_parity(policy, engine.generate(PROMPTS, 1, sampling), temperature=1.0, tol=1e-4)
+
+
+def test_sync_rejects_a_wrapper_module(policy, engine):
+    wrapper = torch.nn.ModuleDict({"policy": policy})
+    with pytest.raises(ValueError, match="lacks"):
+        engine.sync(wrapper)
+
+
+def test_raw_logprobs_mode_reports_untruncated_logprobs_for_top_k_top_p(policy, policy_dir, tokenizer):
+    """raw_logprobs = log_softmax(logits): the contract's value at T = 1 even with top-k/top-p sampling."""
+    raw = VLLMEngine(policy_dir, tokenizer, logprobs_mode="raw_logprobs", max_model_len=256)
+    sampling = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=12, seed=4)
+    r = raw.generate(PROMPTS, 2, sampling)
+    assert check_parity(policy, r, temperature=1.0, tol=1e-4, max_samples=len(r))["max_abs_diff"] < 1e-4
+    with pytest.raises(ValueError, match="temperature"):
+        raw.generate(PROMPTS, 1, SamplingParams(temperature=0.7))
