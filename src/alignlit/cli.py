@@ -73,6 +73,7 @@ Run `alignlit fit --help` for the training stages and `alignlit <tool> --help` f
 
 
 def main(argv: list[str] | None = None) -> None:
+    explicit = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not argv or argv[0] in {"-h", "--help"}:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv[0] not in LIGHTNING_SUBCOMMANDS and not argv[0].startswith("-"):
         sys.exit(f"alignlit: unknown command {argv[0]!r}\n{USAGE}")
-    AlignCLI(args=argv)
+    AlignCLI(args=argv if explicit else None)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default(Annotator, "label_noise"),
         help="annotator label flips (default: %(default)s)",
     )
+    make.add_argument(
+        "--tokenizer-vocab",
+        type=int,
+        default=512,
+        help="also train a byte-level BPE tokenizer of this size on the written text into OUT/tokenizer "
+        "(0: skip; default: %(default)s)",
+    )
 
     show = commands.add_parser("show", help="print a few prompts with demonstrations and their gold reward")
     _add_task_args(show)
@@ -123,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--n", type=int, default=5, help="prompts to show (default: %(default)s)")
     show.add_argument("--demos", type=int, default=4, help="demonstrations per prompt (default: %(default)s)")
     return parser
+
+
+def write_tokenizer(out_dir: str, *, vocab_size: int) -> None:
+    """Train the tokenizer for tiny policies on the SFT, pair and prompt text under ``out_dir``."""
+    from pathlib import Path
+
+    from alignlit.data.records import read_records
+    from alignlit.models.tokenizer import train_bpe_tokenizer
+
+    texts = [
+        value
+        for f in sorted(Path(out_dir).glob("*_train.jsonl"))
+        for record in read_records(f)
+        for value in record.fields.values()
+        if isinstance(value, str)
+    ]
+    train_bpe_tokenizer(texts, vocab_size=vocab_size, out_dir=Path(out_dir) / "tokenizer")
 
 
 def _fmt(value: float | None) -> str:
@@ -152,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             task=task,
             annotator=annotator,
         )
+        if args.tokenizer_vocab:
+            write_tokenizer(args.out, vocab_size=args.tokenizer_vocab)
         print(f"wrote {args.out}:")
         for info in manifest["files"].values():
             print(f"  {info['path']:<26} {info['rows']:>7} rows")
