@@ -1,0 +1,120 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alignlit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "alignlit.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_top_level_usage(capsys):
+    main([])
+    assert "alignlit {fit,validate,test,predict}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown command 'frobnicate'"):
+        main(["frobnicate"])
+
+
+def test_fit_help_documents_fields_from_docstrings():
+    out = run_cli("fit", "--model.help", "alignlit.modules.SFTModule").stdout
+    # the text comes from the SFTModule docstring's Args section: written once
+    assert "peak AdamW learning rate" in out
+    assert "--model.export_dir" in out and "where the trained policy is written" in out
+
+
+def test_config_error_names_key_and_expected_type():
+    res = run_cli(
+        "fit", "--config", str(ROOT / "configs/quickstart/sft.yaml"), "--model.init_args.lr", "fast"
+    )
+    assert res.returncode != 0
+    assert "lr" in res.stderr and "float" in res.stderr
+
+
+def test_unknown_key_is_rejected():
+    res = run_cli(
+        "fit", "--config", str(ROOT / "configs/quickstart/sft.yaml"), "--model.init_args.learning_rate", "0.1"
+    )
+    assert res.returncode != 0 and "learning_rate" in res.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_sft_config_runs_from_the_command_line(tmp_path):
+    """`alignlit sim make-data` then the shipped SFT config at reduced size, then `alignlit eval`."""
+    res = run_cli(
+        "sim",
+        "make-data",
+        "--out",
+        "data/sim",
+        "--n-sft",
+        "400",
+        "--n-pairs",
+        "50",
+        "--n-prompts",
+        "50",
+        "--n-val",
+        "40",
+        "--n-test",
+        "40",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "data/sim/tokenizer/tokenizer.json").exists()
+    res = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs/quickstart/sft.yaml"),
+        "--trainer.max_steps",
+        "12",
+        "--trainer.val_check_interval",
+        "6",
+        "--data.init_args.batch_size",
+        "16",
+        "--trainer.enable_progress_bar",
+        "false",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads((tmp_path / "out/quickstart/sft/alignlit.json").read_text())
+    assert meta["stage"] == "sft"
+    assert meta["config"]["trainer"]["max_steps"] == 12  # the full CLI config, overrides included
+    assert meta["data"]["train_file"] == "data/sim/sft_train.jsonl"
+    assert (tmp_path / "out/quickstart/checkpoints/sft/last.ckpt").exists()
+    # resume from the last checkpoint and continue to 16 steps
+    res = run_cli(
+        "fit",
+        "--config",
+        str(ROOT / "configs/quickstart/sft.yaml"),
+        "--trainer.max_steps",
+        "16",
+        "--data.init_args.batch_size",
+        "16",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--ckpt_path",
+        "out/quickstart/checkpoints/sft/last.ckpt",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_cli(
+        "eval",
+        "--sim",
+        "data/sim",
+        "--policy",
+        "out/quickstart/sft",
+        "--n-prompts",
+        "8",
+        "--json",
+        "eval.json",
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())["results"][0]
+    assert result["samples"] == 8 and -2.0 <= result["gold"] <= 1.0
