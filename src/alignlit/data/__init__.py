@@ -32,3 +32,25 @@ __all__ = [
     "split_hh",
     "split_indices",
 ]
+
+from alignlit.data.preference import (
+    PairEncoder,
+    PairError,
+    PreferenceBatch,
+    PreferenceDataModule,
+    parse_pairs,
+)
+from alignlit.data.processing import Pair, balance_lengths, drop_cycles, drop_duplicates, drop_ties
+
+__all__ += [
+    "Pair",
+    "PairEncoder",
+    "PairError",
+    "PreferenceBatch",
+    "PreferenceDataModule",
+    "balance_lengths",
+    "drop_cycles",
+    "drop_duplicates",
+    "drop_ties",
+    "parse_pairs",
+]
