@@ -154,6 +154,21 @@ def test_sync_after_optimizer_step_and_stale_engine_detection(tokenizer, policy,
     check_parity(policy, engine.generate(PROMPTS, 1, sampling), temperature=1.0, tol=1e-4)
 
 
+def test_sync_every_pushes_on_the_first_and_every_kth_call(policy, engine):
+    every, syncs, pushes = engine.sync_every, engine.syncs, engine.weight_pushes
+    try:
+        engine.sync_every, engine.syncs = 2, 0
+        engine.sync(policy)
+        engine.sync(policy)
+        assert engine.weight_pushes == pushes + 1
+        engine.sync(policy)
+        assert engine.weight_pushes == pushes + 2
+        engine.sync(policy, force=True)
+        assert engine.weight_pushes == pushes + 3
+    finally:
+        engine.sync_every, engine.syncs = every, syncs
+
+
 def test_sync_rejects_a_wrapper_module(policy, engine):
     wrapper = torch.nn.ModuleDict({"policy": policy})
     with pytest.raises(ValueError, match="lacks"):
