@@ -144,6 +144,29 @@ def test_greedy_equals_argmax_and_micro_batching(tokenizer, policy):
     torch.testing.assert_close(whole.logprobs, one_by_one.logprobs, atol=1e-5, rtol=0)
 
 
+def test_stored_generation_defaults_do_not_apply(tokenizer, policy):
+    """Only SamplingParams shape sampling: no global top_k=50, no penalties stored with the model.
+
+    The random tiny model is close to uniform over ~300 tokens (entropy ≈ ln 300), so untruncated
+    T=1 sampling picks tokens ranked 50th or lower most of the time; under HF's default top_k=50
+    the rank would never reach 50. A copy carrying other stored defaults samples the same tokens.
+    """
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+    r = HFEngine(tokenizer, policy).generate(PROMPTS, 8, sampling)
+    ranks = []
+    for j in range(len(r)):
+        prompt, response = real(r, j)
+        with torch.no_grad():
+            logits = policy(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        ranks += (logits > logits.gather(-1, torch.tensor(response)[:, None])).sum(-1).tolist()
+    assert max(ranks) >= 50
+    configured = make_tiny_llama(tokenizer, seed=0, **TINY)
+    configured.generation_config.update(top_k=3, top_p=0.5, temperature=0.1, repetition_penalty=5.0)
+    same = HFEngine(tokenizer, configured).generate(PROMPTS, 8, sampling)
+    assert torch.equal(r.response_ids, same.response_ids)
+    assert configured.generation_config.top_k == 3  # restored after the call
+
+
 def test_eos_is_kept_and_ends_the_response(tokenizer):
     """Declare the greedy response's 3rd token an extra EOS id: the response must end right after it."""
     model = make_tiny_llama(tokenizer, seed=0, **TINY)

@@ -125,7 +125,7 @@ class HFEngine:
         )
 
     def _generation_config(self, sampling: SamplingParams, eos_ids: set[int]) -> GenerationConfig:
-        """A fresh config, so generation defaults stored with the model (penalties, lengths) never apply."""
+        """Exactly the sampling asked for: no stored defaults (penalties, lengths, top-k=50) apply."""
         common = dict(
             max_new_tokens=sampling.max_new_tokens,
             min_new_tokens=0,
@@ -141,7 +141,7 @@ class HFEngine:
         return GenerationConfig(
             do_sample=True,
             temperature=sampling.temperature,
-            top_k=sampling.top_k or None,
+            top_k=sampling.top_k,
             top_p=sampling.top_p,
             **common,
         )
@@ -167,12 +167,18 @@ class HFEngine:
             stop_criteria = _StopStringCriteria(self.tokenizer, sampling.stop, width, input_ids.shape[0])
             criteria.append(stop_criteria)
 
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=self._generation_config(sampling, eos_ids),
-            stopping_criteria=criteria,
-        )
+        # generate() fills every unset field from model.generation_config and then from global
+        # defaults (top_k=50, ...): swap in a blank one so only this call's parameters apply.
+        stored, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self._generation_config(sampling, eos_ids),
+                stopping_criteria=criteria,
+            )
+        finally:
+            self.model.generation_config = stored
         new_tokens = out.sequences[:, width:]  # (b*n, S)
         raw_logits = torch.stack(out.logits, dim=1)  # (b*n, S, V), float32 before any processing
         scale = sampling.temperature if sampling.temperature > 0 else 1.0
