@@ -1,0 +1,198 @@
+"""Ranked responses for RRHF: k responses per prompt, each with a reward (algorithms.md §7)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+
+import lightning as L
+import torch
+
+from alignlit.data.encoding import Encoded, Overflow, Truncation, pad_right
+from alignlit.data.pairs_from_rm import RankedGroup
+from alignlit.data.records import read_records
+from alignlit.data.sampler import make_loader
+from alignlit.data.sft import resolve_tokenizer, split_indices
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankingExample:
+    """One prompt's ``k`` encoded responses (prompt + response + EOS each) and their rewards."""
+
+    encoded: list[Encoded]
+    rewards: list[float]
+    prompt: str
+    responses: list[str]
+
+
+@dataclass
+class RankingBatch:
+    """``B`` prompts with ``k`` responses each, flattened prompt-major and right-padded.
+
+    Attributes:
+        input_ids: (B·k, T) long; row ``b·k + i`` is response ``i`` of prompt ``b``.
+        attention_mask: (B·k, T) bool, True on real tokens.
+        loss_mask: (B·k, T) bool, True on response tokens.
+        rewards: (B, k) float, the reward of each response.
+        prompts: (B,) prompt strings.
+        responses: (B, k) response strings.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    rewards: torch.Tensor
+    prompts: list[str]
+    responses: list[list[str]]
+
+    @property
+    def k(self) -> int:
+        return self.rewards.shape[1]
+
+    def __len__(self) -> int:
+        return self.rewards.shape[0]
+
+
+def collate_ranking(examples: list[RankingExample], pad_id: int) -> RankingBatch:
+    """Stack examples that all have the same ``k`` into a :class:`RankingBatch`."""
+    ks = {len(e.encoded) for e in examples}
+    if len(ks) != 1:
+        raise ValueError(
+            f"every prompt of a ranking batch needs the same number of responses, got {sorted(ks)}"
+        )
+    flat = [enc for e in examples for enc in e.encoded]
+    ids, attn = pad_right([enc.input_ids for enc in flat], pad_id)  # (B·k, T)
+    positions = torch.arange(ids.shape[1])[None, :]
+    prompt_len = torch.tensor([enc.prompt_length for enc in flat])[:, None]  # (B·k, 1)
+    return RankingBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=attn & (positions >= prompt_len),
+        rewards=torch.tensor([e.rewards for e in examples], dtype=torch.float32),  # (B, k)
+        prompts=[e.prompt for e in examples],
+        responses=[e.responses for e in examples],
+    )
+
+
+class RankingDataModule(L.LightningDataModule):
+    """Prompts with ``k`` scored responses each, for RRHF.
+
+    Records are ``{"prompt", "responses": [...], "scores": [...]}`` (what ``alignlit sample`` writes;
+    responses from any source work: policy samples, dataset responses, other models). Every record
+    must have the same number of responses ``k >= 2``. EOS is appended to every response. A record
+    with a blank response, or one whose response the truncation policy drops, is dropped whole
+    (counted and logged, as are truncations).
+
+    Args:
+        train_file: ranked records.
+        val_file: held-out ranked records; if None, ``val_fraction`` of ``train_file`` is held out.
+        val_fraction: held-out fraction when there is no ``val_file``.
+        tokenizer: tokenizer directory; default: the policy's tokenizer.
+        max_length: longest prompt + response in tokens.
+        max_prompt_length: prompts are left-truncated to this many tokens.
+        overflow: when prompt + response exceed ``max_length``: "truncate" the response, "drop" the
+            record, or raise an "error".
+        batch_size: prompts per training batch (each with ``k`` responses).
+        eval_batch_size: prompts per validation batch (default: ``batch_size``).
+        max_examples: use only the first N training records.
+        seed: seed of the split and of the shuffling.
+    """
+
+    def __init__(
+        self,
+        train_file: str,
+        val_file: str | None = None,
+        val_fraction: float = 0.05,
+        tokenizer: str | None = None,
+        max_length: int = 256,
+        max_prompt_length: int = 128,
+        overflow: Overflow = "truncate",
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        max_examples: int | None = None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokenizer = None
+        self.train_set: list[RankingExample] = []
+        self.val_set: list[RankingExample] = []
+        self.counts: Counter[str] = Counter()
+
+    def _encode(self, records, trunc: Truncation, k: int | None) -> tuple[list[RankingExample], int | None]:
+        out = []
+        for record in records:
+            group = RankedGroup.from_record(record)
+            if k is None:
+                k = len(group.responses)
+                if k < 2:
+                    raise record.error("responses", f"RRHF needs at least 2 responses per prompt, got {k}")
+            if len(group.responses) != k:
+                raise record.error(
+                    "responses",
+                    f"has {len(group.responses)} responses but earlier records have {k}; every record "
+                    "needs the same number",
+                )
+            if any(not r.strip() for r in group.responses):
+                self.counts["dropped_blank_response"] += 1
+                continue
+            encoded = [trunc.encode(group.prompt, r, record.source) for r in group.responses]
+            if any(e is None for e in encoded):
+                self.counts["dropped_over_max_length"] += 1
+                continue
+            out.append(RankingExample(encoded, group.scores, group.prompt, group.responses))
+        return out, k
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set:
+            return
+        hp = self.hparams
+        self.tokenizer = resolve_tokenizer(self, hp.tokenizer)
+        trunc = Truncation(
+            self.tokenizer,
+            max_length=hp.max_length,
+            max_prompt_length=hp.max_prompt_length,
+            overflow=hp.overflow,
+        )
+        records = read_records(hp.train_file)
+        if hp.max_examples is not None:
+            records = records[: hp.max_examples]
+        if hp.val_file is not None:
+            train_recs, val_recs = records, read_records(hp.val_file)
+        else:
+            tr, va = split_indices(len(records), hp.val_fraction, hp.seed)
+            train_recs, val_recs = [records[i] for i in tr], [records[i] for i in va]
+        self.train_set, k = self._encode(train_recs, trunc, None)
+        self.val_set, _ = self._encode(val_recs, trunc, k)
+        if not self.train_set:
+            raise ValueError(f"{hp.train_file}: no training records left after dropping blank/overlong ones")
+        self.counts.update(trunc.counts)
+        log.info(
+            "ranking data: %d train / %d val prompts, k=%d responses each; drops/truncation: %s",
+            len(self.train_set),
+            len(self.val_set),
+            k,
+            dict(self.counts) or "none",
+        )
+
+    def _loader(self, data, batch_size, shuffle):
+        return make_loader(
+            data,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=self.hparams.seed,
+            collate_fn=partial(collate_ranking, pad_id=self.tokenizer.pad_token_id),
+            trainer=self.trainer,
+        )
+
+    def train_dataloader(self):
+        return self._loader(self.train_set, self.hparams.batch_size, True)
+
+    def val_dataloader(self):
+        if not self.val_set:
+            return []
+        return self._loader(self.val_set, self.hparams.eval_batch_size or self.hparams.batch_size, False)

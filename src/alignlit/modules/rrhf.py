@@ -1,0 +1,118 @@
+"""RRHF: rank k responses per prompt by length-normalised log-probability, plus SFT on the best."""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import MeanMetric
+
+from alignlit.data.ranking import RankingBatch
+from alignlit.losses import rrhf_loss
+from alignlit.models.loading import load_policy
+from alignlit.models.tiny import TinyLlama
+from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.dpo import token_logprobs
+
+
+class RRHFModule(AlignModule):
+    """RRHF (Yuan et al. 2023; algorithms.md §7) on ``k`` scored responses per prompt.
+
+    With ``p_i = (1/|y_i|) Σ_t log π(y_{i,t} | x, y_{i,<t})`` the loss per prompt is
+    ``rank_weight · Σ_{r_i < r_j} max(0, p_i - p_j) + sft_weight · (-Σ_t log π(y_{i*,t} | …))``,
+    ``i* = argmax_i r_i``, averaged over prompts (:func:`alignlit.losses.rrhf_loss`). All ``B·k``
+    responses of a batch go through the policy in one forward; prompt and padding tokens are
+    excluded everywhere, so any batch size and ``k`` give the same per-prompt loss. No reference
+    model is needed. Data: a :class:`~alignlit.data.RankingDataModule` (e.g. ``alignlit sample``
+    output scored by a reward model).
+
+    Args:
+        policy: causal-LM directory to start from (usually the SFT export), or a
+            :class:`~alignlit.models.TinyLlama` spec.
+        rank_weight: weight of the ranking hinge loss.
+        sft_weight: weight of the summed NLL of the best response.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        dtype: dtype the policy is loaded in ("float32", "bfloat16").
+        export_dir: where the trained policy is written as a Hugging Face directory at the end of fit.
+    """
+
+    stage = "rrhf"
+
+    def __init__(
+        self,
+        policy: str | TinyLlama,
+        rank_weight: float = 1.0,
+        sft_weight: float = 1.0,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        dtype: str = "float32",
+        export_dir: str | None = None,
+    ):
+        super().__init__(export_dir=export_dir)
+        if rank_weight < 0 or sft_weight < 0:
+            raise ValueError(f"rank_weight and sft_weight must be >= 0, got {rank_weight} and {sft_weight}")
+        self.save_hyperparameters()
+        self.policy, self.tokenizer = (
+            load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
+        )
+        self.val_loss = MeanMetric()
+        self.val_rank_loss = MeanMetric()
+        self.val_accuracy = MeanMetric(nan_strategy="ignore")
+
+    def export_model(self):
+        return self.policy
+
+    def rrhf(self, batch: RankingBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:func:`~alignlit.losses.rrhf_loss` of one batch of ``B`` prompts x ``k`` responses."""
+        num_prompts, k = batch.rewards.shape
+        if batch.input_ids.shape[0] != num_prompts * k:
+            raise ValueError(
+                f"ranking batch has {batch.input_ids.shape[0]} sequences for rewards of shape "
+                f"{tuple(batch.rewards.shape)}; expected B*k = {num_prompts * k}"
+            )
+        token_logps, mask = token_logprobs(
+            self.policy, batch.input_ids, batch.attention_mask, batch.loss_mask
+        )
+        width = token_logps.shape[-1]
+        return rrhf_loss(
+            token_logps.view(num_prompts, k, width),  # (B, k, T-1)
+            mask.view(num_prompts, k, width),
+            batch.rewards,
+            rank_weight=self.hparams.rank_weight,
+            sft_weight=self.hparams.sft_weight,
+        )
+
+    def training_step(self, batch: RankingBatch, batch_idx: int) -> torch.Tensor:
+        loss, metrics = self.rrhf(batch)
+        check_finite(loss, what="RRHF loss", step=self.global_step, metrics=metrics)
+        for name, value in metrics.items():
+            if name == "ranking_accuracy" and torch.isnan(value):
+                continue  # every reward of the batch tied: no pair to rank
+            self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=len(batch))
+        return loss
+
+    def validation_step(self, batch: RankingBatch, batch_idx: int) -> None:
+        loss, metrics = self.rrhf(batch)
+        self.val_loss.update(loss, weight=len(batch))
+        self.val_rank_loss.update(metrics["rank_loss"], weight=len(batch))
+        self.val_accuracy.update(metrics["ranking_accuracy"], weight=len(batch))
+        self.log("val/loss", self.val_loss, prog_bar=True, batch_size=len(batch))
+        self.log("val/rank_loss", self.val_rank_loss, batch_size=len(batch))
+        self.log("val/ranking_accuracy", self.val_accuracy, batch_size=len(batch))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return adamw_with_schedule(
+            self.policy.parameters(),
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas),
+            warmup_steps=hp.warmup_steps,
+            total_steps=int(self.trainer.estimated_stepping_batches),
+            min_lr_ratio=hp.min_lr_ratio,
+        )
