@@ -25,3 +25,21 @@ __all__ = [
     "tiny_llama_config",
     "train_bpe_tokenizer",
 ]
+
+from alignlit.models.reward import (
+    ABFormat,
+    PreferenceModel,
+    RewardModel,
+    load_preference_model,
+    load_reward_model,
+    resolve_model_path,
+)
+
+__all__ += [
+    "ABFormat",
+    "PreferenceModel",
+    "RewardModel",
+    "load_preference_model",
+    "load_reward_model",
+    "resolve_model_path",
+]

@@ -4,3 +4,20 @@ from alignlit.modules.base import AlignModule
 from alignlit.modules.sft import SFTModule
 
 __all__ = ["AlignModule", "SFTModule"]
+
+from alignlit.modules.ppo import PPOModule
+
+__all__ += ["PPOModule"]
+
+from alignlit.modules.reward import RewardModule  # noqa: E402
+
+__all__ += ["RewardModule"]
+
+from alignlit.modules.pairpref import PairwisePrefModule  # noqa: E402
+
+__all__ += ["PairwisePrefModule"]
+
+from alignlit.modules.dpo import DPOModule  # noqa: E402
+from alignlit.modules.rrhf import RRHFModule  # noqa: E402
+
+__all__ += ["DPOModule", "RRHFModule"]

