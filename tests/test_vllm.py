@@ -47,7 +47,16 @@ LONG_PROMPT = "\n\nHuman: sort " + " ".join("abcdefgh"[i % 8] for i in range(150
 
 @pytest.fixture(scope="module")
 def policy(tokenizer):
-    return make_tiny_llama(tokenizer, seed=0, **TINY)
+    """The tiny policy, exported with sampling defaults that neither engine may apply.
+
+    If vLLM used them, its processed log-probs (after top-k, penalties, temperature) and its
+    samples would differ from the HF model's, failing the parity and agreement tests below.
+    """
+    model = make_tiny_llama(tokenizer, seed=0, **TINY)
+    model.generation_config.update(
+        do_sample=True, top_k=3, top_p=0.5, temperature=0.1, repetition_penalty=5.0, max_new_tokens=4
+    )
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             logprobs_mode=logprobs_mode,
+            generation_config="vllm",  # ignore generation_config.json defaults (penalties, length caps)
         )
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
