@@ -180,10 +180,15 @@ class HFEngine:
         finally:
             self.model.generation_config = stored
         new_tokens = out.sequences[:, width:]  # (b*n, S)
-        raw_logits = torch.stack(out.logits, dim=1)  # (b*n, S, V), float32 before any processing
         scale = sampling.temperature if sampling.temperature > 0 else 1.0
-        logps = torch.log_softmax(raw_logits / scale, dim=-1)  # (b*n, S, V)
-        token_logps = logps.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (b*n, S)
+        # out.logits: S raw (unprocessed) float32 logits of shape (b*n, V); one step at a time.
+        token_logps = torch.stack(
+            [
+                torch.log_softmax(step_logits / scale, dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
+                for t, step_logits in enumerate(out.logits)
+            ],
+            dim=1,
+        )  # (b*n, S)
 
         samples = []
         for b, (ids, lps) in enumerate(zip(new_tokens.tolist(), token_logps.tolist())):
