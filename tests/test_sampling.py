@@ -146,7 +146,7 @@ def test_sample_cli_writes_ranked_pairs_and_rft(
     records are exactly the best/worst and best of those rows; a second run with the same seed writes
     the same bytes. (The scorer is replaced by a character count, which varies on a random policy's
     output; the gold scorer is checked in test_gold_scorer.)"""
-    monkeypatch.setattr("alignlit.rollout.sampling.load_scorer", lambda spec, sim=None: _char_scorer)
+    monkeypatch.setattr("alignlit.rollout.sampling.load_scorer", lambda spec, **kwargs: _char_scorer)
     out = tmp_path / "a"
     groups = _sample(
         tiny_policy_dir,

@@ -54,3 +54,20 @@ __all__ += [
     "drop_ties",
     "parse_pairs",
 ]
+
+from alignlit.data.pairs_from_rm import (  # noqa: E402
+    RankedGroup,
+    best_of_n_records,
+    best_worst_pairs,
+    read_ranked,
+)
+from alignlit.data.ranking import RankingBatch, RankingDataModule  # noqa: E402
+
+__all__ += [
+    "RankedGroup",
+    "RankingBatch",
+    "RankingDataModule",
+    "best_of_n_records",
+    "best_worst_pairs",
+    "read_ranked",
+]

@@ -265,6 +265,7 @@ class DPOModule(AlignModule):
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
+        self.policy.train()  # from_pretrained returns eval mode
         self.reference_source = reference if reference is not None else policy
         # Not registered as a submodule: it is frozen and never part of checkpoints or of DDP.
         self._reference: list[torch.nn.Module] = []
@@ -285,31 +286,29 @@ class DPOModule(AlignModule):
     def reference_model(self) -> torch.nn.Module | None:
         return self._reference[0] if self._reference else None
 
-    def reference_fingerprint(self) -> dict:
+    def reference_fingerprint(self, datamodule) -> dict:
         """What the cached reference log-probs depend on: reference weights, data, tokenisation."""
-        dm = self.trainer.datamodule
         if isinstance(self.reference_source, TinyLlama):
             reference = {"initial_state": _state_digest(self.reference_model)}
         else:
             reference = {"dir": _dir_digest(Path(self.reference_source))}
         data = {
-            k: _path_fingerprint(v) for k, v in sorted(dict(dm.hparams).items()) if k not in _NOT_TOKENISATION
+            k: _path_fingerprint(v)
+            for k, v in sorted(dict(datamodule.hparams).items())
+            if k not in _NOT_TOKENISATION
         }
-        tokenizer = (
-            self.tokenizer.backend_tokenizer.to_str() if hasattr(self.tokenizer, "backend_tokenizer") else ""
-        )
+        tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)
         return {
             "reference": reference,
             "dtype": self.hparams.dtype,
-            "data_class": type(dm).__name__,
+            "data_class": type(datamodule).__name__,
             "data": data,
-            "tokenizer": hashlib.sha256(tokenizer.encode()).hexdigest(),
+            "tokenizer": hashlib.sha256((tokenizer.to_str() if tokenizer else "").encode()).hexdigest(),
             "eos": self.tokenizer.eos_token_id,
         }
 
-    def _cache_path(self, key: str) -> Path:
-        dm = self.trainer.datamodule
-        train_file = dm.hparams.get("train_file")
+    def _cache_path(self, datamodule, key: str) -> Path:
+        train_file = datamodule.hparams.get("train_file")
         if self.hparams.reference_cache_dir is not None:
             directory = Path(self.hparams.reference_cache_dir)
         elif train_file is not None:
@@ -319,41 +318,44 @@ class DPOModule(AlignModule):
         stem = Path(train_file).name if train_file else "data"
         return directory / f"ref_logps-{stem}-{key[:20]}.pt"
 
-    def _loaders_for_reference(self) -> list[DataLoader]:
-        dm = self.trainer.datamodule
+    @staticmethod
+    def _loaders_for_reference(datamodule) -> list[DataLoader]:
+        """Unshuffled, unsharded loaders over the train and val sets, with the datamodule's collation."""
         loaders = []
-        for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        for loader in (datamodule.train_dataloader(), datamodule.val_dataloader()):
             if isinstance(loader, DataLoader):
                 loaders.append(
-                    DataLoader(
-                        loader.dataset,
-                        batch_size=loader.batch_size,
-                        shuffle=False,
-                        collate_fn=loader.collate_fn,
-                    )
+                    DataLoader(loader.dataset, batch_size=loader.batch_size, collate_fn=loader.collate_fn)
                 )
         return loaders
 
-    def prepare_reference(self) -> None:
-        """Resolve the reference log-probs cache: load it on a hit, compute and write it on a miss."""
+    def prepare_reference(self, datamodule=None) -> None:
+        """Resolve the reference log-probs cache: load it on a hit, compute and write it on a miss.
+
+        Runs on fit start; call it directly (with a set-up ``datamodule``) to build the cache ahead
+        of training. With several processes rank 0 computes and the others wait for it.
+        """
         if not self.hparams.precompute_reference or self.reference_cache is not None:
             return
-        if getattr(self.trainer, "datamodule", None) is None:
+        trainer = self._trainer
+        datamodule = datamodule or (getattr(trainer, "datamodule", None) if trainer is not None else None)
+        if datamodule is None:
             raise ValueError("precompute_reference needs a datamodule; or set precompute_reference: false")
-        fingerprint = json.dumps(self.reference_fingerprint(), sort_keys=True, default=str)
-        path = self._cache_path(hashlib.sha256(fingerprint.encode()).hexdigest())
+        fingerprint = json.dumps(self.reference_fingerprint(datamodule), sort_keys=True, default=str)
+        path = self._cache_path(datamodule, hashlib.sha256(fingerprint.encode()).hexdigest())
         hit = path.exists()
-        if not hit and self.trainer.is_global_zero:
+        if not hit and (trainer is None or trainer.is_global_zero):
             reference = self.reference_model
             if reference is None:
                 reference = _frozen(load_policy(self.reference_source, dtype=self.hparams.dtype)[0])
             reference.to(self.device)
-            cache = ReferenceCache.compute(reference, self._loaders_for_reference(), self.device)
+            cache = ReferenceCache.compute(reference, self._loaders_for_reference(datamodule), self.device)
             for stale in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.pt"):
                 stale.unlink()
             cache.save(path)
             log.info("reference log-probs: computed %d sequences -> %s", len(cache), path)
-        self.trainer.strategy.barrier("dpo_reference_cache")
+        if trainer is not None:
+            trainer.strategy.barrier("dpo_reference_cache")
         self.reference_cache = ReferenceCache.load(path)
         self.reference_cache_status = "hit" if hit else "miss"
         self.reference_cache_path = path

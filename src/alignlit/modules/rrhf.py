@@ -60,6 +60,7 @@ class RRHFModule(AlignModule):
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
+        self.policy.train()  # from_pretrained returns eval mode
         self.val_loss = MeanMetric()
         self.val_rank_loss = MeanMetric()
         self.val_accuracy = MeanMetric(nan_strategy="ignore")

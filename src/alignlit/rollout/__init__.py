@@ -21,3 +21,7 @@ __all__ = [
     "position_ids_from_mask",
     "response_logprobs",
 ]
+
+from alignlit.rollout.sampling import Scorer, load_scorer, sample_ranked  # noqa: E402
+
+__all__ += ["Scorer", "load_scorer", "sample_ranked"]

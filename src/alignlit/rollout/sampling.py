@@ -32,9 +32,10 @@ Scorer = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 """``scorer(prompts, responses) -> scores``, one score per (prompt, response); higher is better."""
 
 
-def load_scorer(spec: str, *, sim: str | Path | None = None) -> Scorer:
+def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 64) -> Scorer:
     """A scorer from a command-line spec: ``"gold"`` (the simulated task's gold reward, needs
-    ``sim``, the ``alignlit sim make-data`` directory) or a reward-model directory."""
+    ``sim``, the ``alignlit sim make-data`` directory) or a reward-model directory (scored by
+    :func:`alignlit.models.load_reward_model` in batches of ``batch_size``)."""
     if spec == "gold":
         if sim is None:
             raise ValueError(
@@ -48,7 +49,7 @@ def load_scorer(spec: str, *, sim: str | Path | None = None) -> Scorer:
         raise FileNotFoundError(f"scorer {spec!r} is neither 'gold' nor a reward-model directory")
     from alignlit.models import load_reward_model
 
-    return load_reward_model(spec).score
+    return load_reward_model(spec, batch_size=batch_size).score
 
 
 def sample_ranked(
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
     prompts = [parse_prompt(r) for r in read_records(args.prompts)][: args.max_prompts]
     if not prompts:
         parser.error(f"{args.prompts}: no prompts")
-    scorer = load_scorer(args.scorer, sim=args.sim) if args.scorer else None
+    scorer = load_scorer(args.scorer, sim=args.sim, batch_size=args.batch_size) if args.scorer else None
     policy, tokenizer = load_policy(args.policy, dtype=args.dtype)
     policy.eval()
     sampling = SamplingParams(

@@ -1,0 +1,244 @@
+"""DPOModule: the concatenated forward, the loss selection, the precomputed reference cache, a config fit."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import lightning as L
+import pytest
+import torch
+
+from alignlit.data import PreferenceDataModule
+from alignlit.losses import dpo_loss
+from alignlit.models import export_pretrained, load_policy, make_tiny_llama, read_metadata
+from alignlit.modules.dpo import DPOModule, ReferenceCache, pair_logprobs, token_logprobs
+from tests.conftest import TINY
+
+ROWS = [
+    ("sort c a d", " a c d", " c a d ok done"),
+    ("reverse a b", " b a", " a b"),
+    ("copy h g f", " h g f", " sure h g ok"),
+    ("dedupe a a b", " a b", " a a b"),
+    ("sort b a", " a b", " b"),
+    ("reverse c d e", " e d c", " e d c ok that is all"),
+    ("copy a b c d", " a b c d", " a b d"),
+    ("dedupe c c", " c", " c c c"),
+]
+
+
+def _pairs_file(path, rows=ROWS):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"\n\nHuman: {q}\n\nAssistant:", "chosen": c, "rejected": r}) + "\n"
+            for q, c, r in rows
+        )
+    )
+    return path
+
+
+def _dm(path, tokenizer_dir=None, **kwargs):
+    args = dict(val_fraction=0.25, max_length=32, max_prompt_length=16, batch_size=3, seed=0)
+    args.update(kwargs)
+    return PreferenceDataModule(
+        str(path), tokenizer=None if tokenizer_dir is None else str(tokenizer_dir), **args
+    )
+
+
+def _batch(path, tokenizer_dir):
+    dm = _dm(path, tokenizer_dir, val_fraction=0.0, batch_size=len(ROWS))
+    dm.setup()
+    return next(iter(dm.train_dataloader()))
+
+
+def _naive_sequence_logps(model, batch) -> torch.Tensor:
+    """(2B,) per row: run the unpadded sequence alone, sum log_softmax over its response tokens."""
+    out = []
+    for ids, attn, loss in zip(batch.input_ids, batch.attention_mask, batch.loss_mask):
+        ids, loss = ids[attn], loss[attn]
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0]  # (L, V)
+        logps = torch.log_softmax(logits[:-1].double(), -1).gather(-1, ids[1:, None]).squeeze(-1)  # (L-1,)
+        out.append(logps[loss[1:]].sum())
+    return torch.stack(out).float()
+
+
+def _export_tiny(tokenizer, path, seed):
+    export_pretrained(make_tiny_llama(tokenizer, seed=seed, **TINY), tokenizer, path, stage="init")
+    return path
+
+
+def test_concatenated_forward_equals_separate_forwards(tmp_path, tiny_policy_dir, tokenizer_dir, tokenizer):
+    """One (2B, T) forward gives, for every chosen and rejected row, the same log-prob as running that
+    sequence alone without padding; |y_w| counts the response tokens plus EOS."""
+    batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
+    model = load_policy(tiny_policy_dir)[0]
+    with torch.no_grad():
+        logps, chosen_lengths = pair_logprobs(model, batch)
+        separate = [
+            token_logprobs(model, half.input_ids, half.attention_mask, half.loss_mask)[0].sum(-1)
+            for half in (batch.chosen, batch.rejected)
+        ]
+    naive = _naive_sequence_logps(model, batch)
+    b = len(batch)
+    assert batch.input_ids.shape[0] == 2 * b == 2 * len(ROWS)
+    torch.testing.assert_close(logps.chosen, separate[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.rejected, separate[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.chosen, naive[:b], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.rejected, naive[b:], atol=1e-5, rtol=1e-5)
+    expected_lengths = [len(tokenizer(c, add_special_tokens=False).input_ids) + 1 for c in batch.chosen_texts]
+    assert chosen_lengths.tolist() == expected_lengths
+
+
+def test_loss_selection_at_initialisation(tmp_path, tiny_policy_dir, tokenizer_dir):
+    """At step 0 the policy equals the reference, so h = 0 for every pair:
+    DPO -log σ(0) = ln 2; cDPO -(1-ε)log σ(0) - ε log σ(0) = ln 2 too; IPO (0 - 1/(2β))² = (1/0.2)² = 25
+    for β = 0.1; RPO adds α·mean(-log π(y_w)/|y_w|)."""
+    batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
+    cases = {
+        "dpo": (dict(loss_type="dpo"), math.log(2)),
+        "cdpo": (dict(loss_type="dpo", label_smoothing=0.2), math.log(2)),
+        "ipo": (dict(loss_type="ipo", beta=0.1), 25.0),
+    }
+    for name, (kwargs, expected) in cases.items():
+        module = DPOModule(str(tiny_policy_dir), precompute_reference=False, **kwargs)
+        with torch.no_grad():
+            loss, metrics = module.preference_loss(batch)
+        assert loss.item() == pytest.approx(expected, rel=1e-5), name
+        assert metrics["rewards/margin"].item() == pytest.approx(0.0, abs=1e-5), name
+
+    module = DPOModule(str(tiny_policy_dir), precompute_reference=False, sft_weight=0.5)
+    with torch.no_grad():
+        loss, metrics = module.preference_loss(batch)
+        logps, lengths = pair_logprobs(module.policy, batch)
+    sft = (-logps.chosen / lengths).mean().item()
+    assert metrics["sft_loss"].item() == pytest.approx(sft, rel=1e-5)
+    assert loss.item() == pytest.approx(math.log(2) + 0.5 * sft, rel=1e-5)
+
+
+def test_loss_with_a_different_reference(tmp_path, tiny_policy_dir, tokenizer_dir, tokenizer):
+    """With π_0 a different model, the module's loss is dpo_loss on the per-sequence log-probs of the
+    policy and of the reference, each computed here by unpadded forwards."""
+    reference_dir = _export_tiny(tokenizer, tmp_path / "reference", seed=1)
+    batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
+    module = DPOModule(
+        str(tiny_policy_dir),
+        reference=str(reference_dir),
+        precompute_reference=False,
+        beta=0.5,
+        label_smoothing=0.1,
+    )
+    with torch.no_grad():
+        loss, _ = module.preference_loss(batch)
+    policy = _naive_sequence_logps(load_policy(tiny_policy_dir)[0], batch)
+    reference = _naive_sequence_logps(load_policy(reference_dir)[0], batch)
+    b = len(batch)
+    expected, _ = dpo_loss(
+        policy[:b], policy[b:], reference[:b], reference[b:], beta=0.5, label_smoothing=0.1
+    )
+    assert abs(expected.item() - math.log(2)) > 1e-3  # the reference really differs
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match=r"loss_type must be one of \['dpo', 'ipo'\], got 'kto'"):
+        DPOModule("unused", loss_type="kto")
+    with pytest.raises(ValueError, match="label_smoothing \\(cDPO\\) applies to loss_type 'dpo' only"):
+        DPOModule("unused", loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="beta must be > 0, got 0"):
+        DPOModule("unused", beta=0)
+
+
+def test_reference_cache_hit_miss_and_invalidation(tmp_path, tiny_policy_dir, tokenizer_dir, tokenizer):
+    """The first fit computes the cache next to the data (miss), the next run loads it (hit); changing
+    the data file, a tokenisation setting or the reference weights each gives a miss and removes the
+    stale file. The cached values are the reference model's log-probs; no reference model is kept."""
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy_dir, policy)
+    data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
+    cache_dir = tmp_path / "data" / ".alignlit_cache"
+
+    L.seed_everything(0)
+    first = DPOModule(str(policy), lr=1e-3, warmup_steps=1)
+    assert (
+        first.reference_model is None
+    )  # precompute_reference: the reference is loaded only to fill the cache
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(first, _dm(data))
+    assert first.reference_cache_status == "miss" and first.reference_model is None
+    assert first.reference_cache_path.parent == cache_dir and first.reference_cache_path.exists()
+    assert len(first.reference_cache) == 2 * len(ROWS)  # every chosen and rejected sequence, train and val
+    batch = _batch(data, tokenizer_dir)
+    cached = first.reference_cache.lookup(batch)
+    with torch.no_grad():
+        direct, _ = pair_logprobs(load_policy(policy)[0], batch)
+    torch.testing.assert_close(cached.chosen, direct.chosen, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached.rejected, direct.rejected, atol=1e-5, rtol=1e-5)
+
+    def prepare(**dm_kwargs) -> DPOModule:
+        module = DPOModule(str(policy))
+        dm = _dm(data, tokenizer_dir, **dm_kwargs)
+        dm.setup()
+        module.prepare_reference(dm)
+        return module
+
+    # tokenizer given to the datamodule: a different fingerprint from the fit above
+    assert prepare().reference_cache_status == "miss"
+    second = prepare()
+    assert second.reference_cache_status == "hit"
+    assert prepare(batch_size=2).reference_cache_status == "hit"  # the batch size does not matter
+
+    _pairs_file(data, [*ROWS, ("sort d c", " c d", " d c")])  # the data changes
+    third = prepare()
+    assert (
+        third.reference_cache_status == "miss" and third.reference_cache_path != second.reference_cache_path
+    )
+    assert sorted(cache_dir.iterdir()) == [third.reference_cache_path]  # the stale file is gone
+
+    assert prepare(max_length=30).reference_cache_status == "miss"  # a tokenisation setting changes
+    _export_tiny(tokenizer, policy, seed=3)  # the reference weights change in place
+    assert prepare(max_length=30).reference_cache_status == "miss"
+    assert prepare(max_length=30).reference_cache_status == "hit"
+    assert len(list(cache_dir.iterdir())) == 1
+
+
+def test_cache_lookup_of_unknown_rows_raises(tmp_path, tokenizer_dir):
+    batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
+    with pytest.raises(KeyError, match=r"rows \[0, 1, .*\] of this batch have no cached reference log-probs"):
+        ReferenceCache({}).lookup(batch)
+
+
+def test_dpo_config_fits(tmp_path, tiny_policy_dir):
+    """configs/quickstart/dpo.yaml runs end to end (2 steps) on a tiny policy and exports a DPO policy."""
+    from alignlit.cli import main
+
+    data = _pairs_file(tmp_path / "pairs.jsonl")
+    out = tmp_path / "dpo"
+    main(
+        [
+            "fit",
+            "--config",
+            "configs/quickstart/dpo.yaml",
+            f"--model.init_args.policy={tiny_policy_dir}",
+            f"--model.init_args.export_dir={out}",
+            f"--data.init_args.train_file={data}",
+            "--data.init_args.val_fraction=0.25",
+            "--trainer.max_steps=2",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    meta = read_metadata(out)
+    assert meta["stage"] == "dpo" and meta["data"]["train_file"] == str(data)
+    assert load_policy(out)[0].num_parameters() == load_policy(tiny_policy_dir)[0].num_parameters()
