@@ -6,7 +6,9 @@ import pytest
 
 from alignlit.cli import AlignCLI
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").rglob("*.yaml"))
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+PRESETS = sorted(CONFIG_DIR.joinpath("strategies").glob("*.yaml"))  # fragments stacked on a stage config
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(PRESETS))
 
 
 class ParseOnly(AlignCLI):
@@ -28,3 +30,12 @@ def test_config_parses(config):
     assert cfg.data.class_path.startswith("alignlit.data.")
     # the stage's result goes somewhere documented
     assert cfg.model.init_args.get("export_dir"), f"{config}: model.init_args.export_dir is not set"
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_strategy_preset_stacks_on_a_stage(preset):
+    cli = ParseOnly(
+        args=["--config", str(CONFIG_DIR / "quickstart/sft.yaml"), "--config", str(preset)], run=False
+    )
+    assert cli.config.trainer.devices in (2, 4)
+    assert cli.config.model.class_path == "alignlit.modules.SFTModule"

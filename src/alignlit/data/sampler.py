@@ -75,8 +75,15 @@ class ResumableDataLoader(DataLoader):
 def make_loader(
     dataset, *, batch_size: int, shuffle: bool, seed: int, collate_fn, trainer=None, num_workers=0
 ):
-    """A resumable loader sharded by the trainer's rank/world size (if a trainer is attached)."""
-    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    """A resumable loader sharded over the trainer's data-parallel ranks (if a trainer is attached).
+
+    Ranks are the strategy's data-parallel ones (``distributed_sampler_kwargs``): with tensor parallel,
+    the ranks of one tensor-parallel group see the same batches.
+    """
+    rank, world = 0, 1
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+    if kwargs:
+        rank, world = kwargs["rank"], kwargs["num_replicas"]
     sampler = ResumableSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world=world)
     return ResumableDataLoader(
         dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, num_workers=num_workers

@@ -23,18 +23,20 @@ def export_pretrained(
     config: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
+    state_dict: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` and ``tokenizer`` with ``save_pretrained`` plus ``alignlit.json``.
 
     The metadata says which stage produced the directory, with what configuration and data. The
     directory is written to a temporary sibling and renamed into place, so a crash never leaves a
-    half-written export; an existing export at ``out_dir`` is replaced.
+    half-written export; an existing export at ``out_dir`` is replaced. ``state_dict`` overrides the
+    model's own (pass the gathered full state of a sharded model).
     """
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(str(tmp))
         meta = {
             "alignlit_version": alignlit.__version__,

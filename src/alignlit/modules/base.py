@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 
 from alignlit.models.export import export_pretrained
 
@@ -95,7 +94,7 @@ class AlignModule(L.LightningModule):
             if torch.is_tensor(v) and v.numel() == 1
         }
 
-    def export(self, out_dir: str | Path) -> Path:
+    def export(self, out_dir: str | Path, *, state_dict: dict[str, Any] | None = None) -> Path:
         """Write this stage's result to ``out_dir`` (see :func:`alignlit.models.export_pretrained`)."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         data = _plain(dict(dm.hparams)) if dm is not None else {}
@@ -111,13 +110,45 @@ class AlignModule(L.LightningModule):
             config=config,
             data=data,
             metrics=metrics,
+            state_dict=state_dict,
         )
 
-    @rank_zero_only
-    def _export_on_fit_end(self) -> None:
-        if self.export_dir:
-            path = self.export(self.export_dir)
-            print(f"alignlit: exported {self.stage} result to {path}")
+    def parallel_models(self) -> list[torch.nn.Module]:
+        """The models :meth:`configure_model` shards under ``ModelParallelStrategy`` (default: the
+        exported one). Stages with several trained models (PPO: policy and critic) list them all."""
+        return [self.export_model()]
+
+    def configure_model(self) -> None:
+        """Apply FSDP2 + tensor parallel when the strategy provides a device mesh
+        (:func:`alignlit.strategies.parallelize_causal_lm`)."""
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_parallelized", False):
+            return
+        from alignlit.strategies import parallelize_causal_lm
+
+        for model in self.parallel_models():
+            parallelize_causal_lm(getattr(model, "hf_model", model), mesh)
+        self._parallelized = True
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.device_mesh is None or not gradient_clip_val:
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        from alignlit.strategies import clip_grad_norm
+
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("with ModelParallelStrategy alignlit clips by norm only")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm(params, gradient_clip_val)
 
     def on_fit_end(self) -> None:
-        self._export_on_fit_end()
+        if not self.export_dir:
+            return
+        state = None
+        if self.device_mesh is not None:  # sharded: gather on every rank, write on rank 0
+            from alignlit.strategies import full_state_dict
+
+            state = full_state_dict(self.export_model())
+        if self.global_rank == 0:
+            path = self.export(self.export_dir, state_dict=state)
+            print(f"alignlit: exported {self.stage} result to {path}")
+        self.trainer.strategy.barrier("alignlit-export")

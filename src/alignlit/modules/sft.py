@@ -69,7 +69,7 @@ class SFTModule(AlignModule):
         self.log("val/loss", self.val_nll, prog_bar=True, batch_size=len(batch))
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/ppl", torch.exp(self.val_nll.compute()))
+        self.log("val/ppl", torch.exp(self.val_nll.compute()), sync_dist=True)
 
     def configure_optimizers(self):
         hp = self.hparams

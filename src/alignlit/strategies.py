@@ -1,0 +1,112 @@
+"""Data and tensor parallelism for alignlit stages.
+
+Pick a strategy per stage in its YAML (or stack a preset: ``alignlit fit --config stage.yaml --config
+configs/strategies/tp2.yaml``):
+
+- ``strategy: ddp`` — data parallel, CPU (gloo) or GPU (NCCL); alignlit's DataModules shard their own
+  data per rank (``use_distributed_sampler`` is off by default in ``alignlit``).
+- ``strategy: fsdp`` — Lightning's FSDP (GPU only: Lightning refuses it on CPU).
+- ``lightning.pytorch.strategies.ModelParallelStrategy`` — FSDP2 over the ``data_parallel`` mesh
+  dimension and torch-native DTensor tensor parallel over ``tensor_parallel``; runs on CPU with gloo
+  too. Each stage's ``configure_model`` calls :func:`parallelize_causal_lm` on the models it trains.
+
+Tensor parallel is torch-native (``torch.distributed.tensor.parallel``), not fairscale: fairscale has
+had no release since 2022, its FSDP crashes on CPU, and Lightning dropped it in 2.0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _decoder_layers(model: nn.Module):
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise TypeError(
+            f"{type(model).__name__}: tensor/FSDP2 parallelism supports Llama-family decoders "
+            "(model.model.layers with self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj)"
+        )
+    return layers
+
+
+def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
+    """Shard a Llama-family model in place over a 2-D mesh (``data_parallel``, ``tensor_parallel``).
+
+    Tensor parallel (Megatron layout): q/k/v and gate/up projections column-wise, o and down
+    projections row-wise, so each block needs one all-reduce after attention and one after the MLP;
+    embeddings, norms and the output head stay replicated. Then FSDP2 ``fully_shard`` on every
+    decoder layer and the root over the data-parallel dimension. Works for ``…ForCausalLM`` and
+    ``…ForSequenceClassification`` (reward model, critic).
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layers = _decoder_layers(model)
+    tp_mesh, dp_mesh = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
+    tp = tp_mesh.size()
+    if tp > 1:
+        cfg = model.config
+        for name, value in (
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("num_key_value_heads", cfg.num_key_value_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        for layer in layers:
+            parallelize_module(layer, tp_mesh, plan)
+    if dp_mesh.size() > 1:
+        for layer in layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a possibly DTensor-sharded model.
+
+    A collective when the model is sharded: every rank must call it. Plain tensors pass through.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        for k, v in model.state_dict().items()
+    }
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Global gradient-norm clipping that works when some gradients are DTensors (tensor parallel /
+    FSDP2) and others plain tensors, which ``torch.nn.utils.clip_grad_norm_`` refuses to mix.
+
+    Each gradient's norm is taken over its full (unsharded) value, so the result equals the norm of
+    the unsharded model's gradients. Returns the total norm before clipping.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    squares = []
+    for g in grads:
+        norm = g.norm(2)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype) if not isinstance(g, DTensor) else coef.item())
+    return total
