@@ -94,7 +94,13 @@ class VLLMEngine:
 
     Environment (set only when not already set, before vLLM is imported): the engine runs
     in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and, without CUDA, gets a 1 GiB KV cache
-    (``VLLM_CPU_KVCACHE_SPACE=1``).
+    (``VLLM_CPU_KVCACHE_SPACE=1``). On CPU, vLLM binds the process's OpenMP threads to cores when
+    it starts, after which ``torch.set_num_threads`` has no effect in that process. Sampling
+    defaults stored in the directory's ``generation_config.json`` are ignored.
+
+    Weight transfer on CUDA keeps the gathered tensors on the GPU and uses the same in-process
+    ``reload_weights`` call (device-to-device copies, no host round trip); only the CPU path is
+    exercised by the test suite. ``sync`` holds one full copy of the weights while it runs.
 
     Args:
         model_dir: exported Hugging Face directory of the policy (safetensors weights + tokenizer).
