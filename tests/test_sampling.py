@@ -213,3 +213,38 @@ def test_sample_cli_unscored_and_errors(tmp_path, tiny_policy_dir, prompts_file,
         load_scorer("gold")
     with pytest.raises(FileNotFoundError, match="neither 'gold' nor a reward-model directory"):
         load_scorer(str(tmp_path / "missing"))
+
+
+def test_sample_cli_with_a_reward_model(tmp_path, tiny_policy_dir, prompts_file, tokenizer):
+    """--scorer RM_DIR: the ranked scores are the reward model's scores of the written texts."""
+    import torch
+
+    from alignlit.models import export_pretrained, load_reward_model, load_scalar_model
+
+    torch.manual_seed(0)
+    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)  # a random scalar head on the tiny backbone
+    rm_dir = export_pretrained(rm, rm_tokenizer, tmp_path / "rm", stage="reward")
+    out = tmp_path / "ranked.jsonl"
+    args = ["--policy", str(tiny_policy_dir), "--prompts", str(prompts_file), "--n", "3"]
+    main(
+        [
+            *args,
+            "--scorer",
+            str(rm_dir),
+            "--max-new-tokens",
+            "5",
+            "--out",
+            str(out),
+            "--rft",
+            str(tmp_path / "rft.jsonl"),
+        ]
+    )
+    rows = [r.fields for r in read_records(out)]
+    expected = load_reward_model(rm_dir)
+    for row in rows:
+        scores = expected.score([row["prompt"]] * 3, row["responses"]).tolist()
+        assert row["scores"] == pytest.approx(scores, abs=1e-6)
+        assert row["scores"] == sorted(row["scores"], reverse=True)
+        assert len(set(row["scores"])) > 1  # a real ranking
+    rft = [r.fields["response"] for r in read_records(tmp_path / "rft.jsonl")]
+    assert rft == [row["responses"][0] for row in rows]
