@@ -135,3 +135,25 @@ def test_format_checks_and_export(exported, tiny_policy_dir, tokenizer):
         ABFormat(max_length=60, max_prompt_length=16).encode(tokenizer, "x " * 40, "a", "b")
     ids = FMT.encode(tokenizer, "x " * 100, "a " * 100, "b " * 100)
     assert len(ids) <= FMT.max_length - 1  # room left for the answer token
+
+
+def test_quickstart_pairpref_config_small_run(tmp_path, tiny_policy_dir):
+    """configs/quickstart/pairpref.yaml through `alignlit fit`, on a tiny policy and a few pairs."""
+    from pathlib import Path
+
+    from alignlit.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs/quickstart/pairpref.yaml"
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS * 2)
+    main(
+        ["fit", "--config", str(config),
+         "--model.init_args.policy", str(tiny_policy_dir), "--model.init_args.export_dir", str(tmp_path / "pp"),
+         "--data.init_args.train_file", path, "--data.init_args.val_file", path,
+         "--data.init_args.batch_size", "4", "--data.init_args.length_balance", "false",
+         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+         "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    pm = load_preference_model(tmp_path / "pp")
+    assert pm.format.max_length == 128 and pm.format.max_prompt_length == 32
+    p = pm.prob([ROWS[0]["prompt"]], [ROWS[0]["chosen"]], [ROWS[0]["rejected"]])
+    assert p.shape == (1,) and 0.0 < float(p) < 1.0

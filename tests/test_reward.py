@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -238,3 +239,51 @@ def test_score_cli_writes_scores_and_pair_metrics(trained_rm, tmp_path):
     assert got["reward_length_corr"] == pytest.approx(metrics["val/reward_length_corr"], abs=1e-4)
     with pytest.raises(SystemExit, match="2"):
         main(["--model", str(rm_dir), "--input", records])  # --output missing: argparse exits with 2
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-dev.jsonl.gz"
+
+
+def test_quickstart_reward_config_small_run(tmp_path, tiny_policy_dir):
+    """configs/quickstart/reward.yaml through `alignlit fit`, on a tiny policy and a few pairs."""
+    from alignlit.cli import main
+
+    rows = sim_like_pairs(16)  # rejected always longer; the flipped copies balance the lengths
+    flipped = [
+        {**r, "prompt": r["prompt"] + " now", "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows
+    ]
+    train = write_jsonl(tmp_path / "train.jsonl", rows + flipped)
+    val = write_jsonl(tmp_path / "val.jsonl", sim_like_pairs(6, offset=50))
+    main(
+        ["fit", "--config", str(ROOT / "configs/quickstart/reward.yaml"),
+         "--model.init_args.model", str(tiny_policy_dir), "--model.init_args.export_dir", str(tmp_path / "rm"),
+         "--data.init_args.train_file", train, "--data.init_args.val_file", val, "--data.init_args.batch_size", "4",
+         "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+         "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    meta = read_metadata(tmp_path / "rm")
+    assert meta["stage"] == "reward" and meta["data"]["length_balance"] is True
+    assert meta["config"]["model"]["class_path"] == "alignlit.modules.RewardModule"
+    assert load_reward_model(tmp_path / "rm").score([f"{H} copy a{A}"], [" a"]).shape == (1,)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_HH.exists(), reason="needs ../shared/data beside the checkout")
+def test_hh_minilm_config_small_run(tmp_path):
+    """configs/hh/reward-minilm.yaml on the first 60 records of the real HH-RLHF file, 2 steps."""
+    from alignlit.cli import main
+
+    main(
+        ["fit", "--config", str(ROOT / "configs/hh/reward-minilm.yaml"),
+         "--data.init_args.train_file", str(SHARED_HH), "--data.init_args.max_examples", "60",
+         "--data.init_args.max_length", "64", "--data.init_args.max_prompt_length", "32",
+         "--model.init_args.export_dir", str(tmp_path / "rm"), "--trainer.max_steps", "2",
+         "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    meta = read_metadata(tmp_path / "rm")
+    assert meta["data"]["skip_invalid"] is True and meta["data"]["val_fraction"] == 0.2
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["architectures"] == ["BertForSequenceClassification"]
+    rm = load_reward_model(tmp_path / "rm")
+    assert rm.encoder.truncation.max_length == 64 - 2  # CLS and SEP reserved
