@@ -110,17 +110,23 @@ def test_ranking_batch_layout(tmp_path, tokenizer_dir, tokenizer):
     assert batch.rewards.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 1.0]]
 
 
-def test_ranking_record_errors(tmp_path, tokenizer_dir):
+def test_ranking_record_errors_and_short_records(tmp_path, tokenizer_dir):
+    """k defaults to the most responses any record has: a record with fewer is dropped and counted; with
+    num_responses=2 a record of 3 is an error naming its row; k < 2 and bad scores are errors too."""
     path = tmp_path / "ranked.jsonl"
     rows = [
         {"prompt": "\n\nHuman: copy a\n\nAssistant:", "responses": [" a", " b"], "scores": [1.0, 0.0]},
         {"prompt": "\n\nHuman: copy b\n\nAssistant:", "responses": [" a", " b", " c"], "scores": [1, 0, 2]},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=r"ranked\.jsonl:2, field 'responses': has 3 responses but earlier"):
-        _dm(path, tokenizer_dir)
+    dm = _dm(path, tokenizer_dir)
+    assert dm.k == 3 and len(dm.train_set) == 1 and dm.counts["dropped_fewer_than_k_responses"] == 1
+    with pytest.raises(
+        DataError, match=r"ranked\.jsonl:2, field 'responses': has 3 responses, more than num_"
+    ):
+        _dm(path, tokenizer_dir, num_responses=2)
     path.write_text(json.dumps({**rows[0], "responses": [" a"], "scores": [1.0]}) + "\n")
-    with pytest.raises(DataError, match=r"ranked\.jsonl:1, field 'responses': RRHF needs at least 2"):
+    with pytest.raises(DataError, match=r"RRHF needs at least 2 responses per prompt, got num_responses=1"):
         _dm(path, tokenizer_dir)
     path.write_text(json.dumps({**rows[0], "scores": [1.0, "x"]}) + "\n")
     with pytest.raises(DataError, match=r"ranked\.jsonl:1, field 'scores': item 1 is 'x'"):

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from alignlit.data import read_records
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, read_ranked
-from alignlit.rollout.sampling import load_scorer, main
+from alignlit.rollout import Rollout, SamplingParams
+from alignlit.rollout.sampling import load_scorer, main, sample_ranked
 
 PROMPTS = [
     "\n\nHuman: sort c a d\n\nAssistant:",
@@ -217,8 +219,6 @@ def test_sample_cli_unscored_and_errors(tmp_path, tiny_policy_dir, prompts_file,
 
 def test_sample_cli_with_a_reward_model(tmp_path, tiny_policy_dir, prompts_file, tokenizer):
     """--scorer RM_DIR: the ranked scores are the reward model's scores of the written texts."""
-    import torch
-
     from alignlit.models import export_pretrained, load_reward_model, load_scalar_model
 
     torch.manual_seed(0)
@@ -248,3 +248,44 @@ def test_sample_cli_with_a_reward_model(tmp_path, tiny_policy_dir, prompts_file,
         assert len(set(row["scores"])) > 1  # a real ranking
     rft = [r.fields["response"] for r in read_records(tmp_path / "rft.jsonl")]
     assert rft == [row["responses"][0] for row in rows]
+
+
+class _FakeEngine:
+    """Returns fixed texts: prompt 0 gets 'a', '', 'bb'; prompt 1 only blanks."""
+
+    def __init__(self, tokenizer, policy, micro_batch_size=None):
+        pass
+
+    def generate(self, prompts, n, sampling):
+        texts = ["a", "", "bb", "", " ", ""]
+        lengths = torch.tensor([[1] * k + [0] * (3 - k) for k in (1, 1, 2, 1, 1, 1)], dtype=torch.bool)
+        return Rollout(
+            prompts=[p for p in prompts for _ in range(n)],
+            prompt_index=torch.arange(len(prompts)).repeat_interleave(n),
+            prompt_ids=torch.zeros(6, 1, dtype=torch.long),
+            prompt_mask=torch.ones(6, 1, dtype=torch.bool),
+            response_ids=torch.zeros(6, 3, dtype=torch.long),
+            response_mask=lengths,
+            logprobs=torch.zeros(6, 3),
+            texts=texts,
+            finish_reasons=["stop"] * 6,
+            n=n,
+        )
+
+
+def test_blank_samples_are_left_out_and_counted(monkeypatch):
+    """Blank texts never reach the scorer and never enter a group; a prompt with only blanks gives none."""
+    seen = []
+
+    def scorer(prompts, responses):
+        seen.extend(responses)
+        return _char_scorer(prompts, responses)
+
+    monkeypatch.setattr("alignlit.rollout.sampling.HFEngine", _FakeEngine)
+    groups, counts = sample_ranked(None, None, ["P0", "P1"], n=3, sampling=SamplingParams(), scorer=scorer)
+    assert seen == ["a", "bb"]
+    assert len(groups) == 1 and groups[0].prompt == "P0"
+    assert (
+        groups[0].responses == ["bb", "a"] and groups[0].scores == [2.0, 1.0] and groups[0].lengths == [2, 1]
+    )
+    assert counts == {"blank_responses": 4, "prompts_without_response": 1}

@@ -12,7 +12,7 @@ import torch
 
 from alignlit.data.encoding import Encoded, Overflow, Truncation, pad_right
 from alignlit.data.pairs_from_rm import RankedGroup
-from alignlit.data.records import read_records
+from alignlit.data.records import DataError, read_records
 from alignlit.data.sampler import make_loader
 from alignlit.data.sft import resolve_tokenizer, split_indices
 
@@ -83,9 +83,10 @@ class RankingDataModule(L.LightningDataModule):
 
     Records are ``{"prompt", "responses": [...], "scores": [...]}`` (what ``alignlit sample`` writes;
     responses from any source work: policy samples, dataset responses, other models). Every record
-    must have the same number of responses ``k >= 2``. EOS is appended to every response. A record
-    with a blank response, or one whose response the truncation policy drops, is dropped whole
-    (counted and logged, as are truncations).
+    holds ``k = num_responses`` responses (default: the most any training record has; ``k >= 2``);
+    records with fewer (e.g. blank samples left out by ``alignlit sample``) are dropped, and so are
+    records with a blank response or one the truncation policy drops; every drop is counted in
+    :attr:`counts` and logged, as are truncations. EOS is appended to every response.
 
     Args:
         train_file: ranked records.
@@ -98,6 +99,8 @@ class RankingDataModule(L.LightningDataModule):
             record, or raise an "error".
         batch_size: prompts per training batch (each with ``k`` responses).
         eval_batch_size: prompts per validation batch (default: ``batch_size``).
+        num_responses: ``k``, responses per prompt (None: the most any training record has); a record
+            with more is an error.
         max_examples: use only the first N training records.
         seed: seed of the split and of the shuffling.
     """
@@ -113,6 +116,7 @@ class RankingDataModule(L.LightningDataModule):
         overflow: Overflow = "truncate",
         batch_size: int = 8,
         eval_batch_size: int | None = None,
+        num_responses: int | None = None,
         max_examples: int | None = None,
         seed: int = 0,
     ):
@@ -122,30 +126,28 @@ class RankingDataModule(L.LightningDataModule):
         self.train_set: list[RankingExample] = []
         self.val_set: list[RankingExample] = []
         self.counts: Counter[str] = Counter()
+        self.k: int | None = None
 
-    def _encode(self, records, trunc: Truncation, k: int | None) -> tuple[list[RankingExample], int | None]:
+    def _encode(self, groups: list[RankedGroup], trunc: Truncation, k: int) -> list[RankingExample]:
         out = []
-        for record in records:
-            group = RankedGroup.from_record(record)
-            if k is None:
-                k = len(group.responses)
-                if k < 2:
-                    raise record.error("responses", f"RRHF needs at least 2 responses per prompt, got {k}")
-            if len(group.responses) != k:
-                raise record.error(
-                    "responses",
-                    f"has {len(group.responses)} responses but earlier records have {k}; every record "
-                    "needs the same number",
+        for group in groups:
+            if len(group.responses) > k:
+                raise DataError(
+                    f"{group.source}, field 'responses': has {len(group.responses)} responses, more than "
+                    f"num_responses={k}"
                 )
+            if len(group.responses) < k:
+                self.counts["dropped_fewer_than_k_responses"] += 1
+                continue
             if any(not r.strip() for r in group.responses):
                 self.counts["dropped_blank_response"] += 1
                 continue
-            encoded = [trunc.encode(group.prompt, r, record.source) for r in group.responses]
+            encoded = [trunc.encode(group.prompt, r, group.source) for r in group.responses]
             if any(e is None for e in encoded):
                 self.counts["dropped_over_max_length"] += 1
                 continue
             out.append(RankingExample(encoded, group.scores, group.prompt, group.responses))
-        return out, k
+        return out
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set:
@@ -166,8 +168,16 @@ class RankingDataModule(L.LightningDataModule):
         else:
             tr, va = split_indices(len(records), hp.val_fraction, hp.seed)
             train_recs, val_recs = [records[i] for i in tr], [records[i] for i in va]
-        self.train_set, k = self._encode(train_recs, trunc, None)
-        self.val_set, _ = self._encode(val_recs, trunc, k)
+        train_groups = [RankedGroup.from_record(r) for r in train_recs]
+        val_groups = [RankedGroup.from_record(r) for r in val_recs]
+        k = hp.num_responses or max((len(g.responses) for g in train_groups), default=0)
+        if k < 2:
+            raise DataError(
+                f"{hp.train_file}: RRHF needs at least 2 responses per prompt, got num_responses={k}"
+            )
+        self.k = k
+        self.train_set = self._encode(train_groups, trunc, k)
+        self.val_set = self._encode(val_groups, trunc, k)
         if not self.train_set:
             raise ValueError(f"{hp.train_file}: no training records left after dropping blank/overlong ones")
         self.counts.update(trunc.counts)

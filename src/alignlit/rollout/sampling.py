@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -62,37 +63,57 @@ def sample_ranked(
     scorer: Scorer | None,
     batch_size: int = 64,
     log_every: int = 0,
-) -> list[RankedGroup]:
+) -> tuple[list[RankedGroup], Counter]:
     """Sample ``n`` responses per prompt with :class:`~alignlit.rollout.HFEngine`, score them, and
     return one group per prompt, sorted best first (unsorted, with ``scores=None``, when ``scorer`` is None).
 
-    Prompts are processed in chunks of ``batch_size``; with ``sampling.seed`` set, chunk ``c`` is
-    sampled with seed ``sampling.seed + c``, so the output is reproducible for a given batch size.
+    Blank responses (e.g. an immediate EOS) can be neither scored by a reward model nor trained on:
+    they are left out of their group, so a group may hold fewer than ``n`` responses; a prompt whose
+    responses are all blank gives no group. Both are counted in the returned Counter
+    (``blank_responses``, ``prompts_without_response``). Prompts are processed in chunks of
+    ``batch_size``; with ``sampling.seed`` set, chunk ``c`` is sampled with seed ``sampling.seed + c``,
+    so the output is reproducible for a given batch size.
+
+    Returns:
+        ``(groups, counts)``.
     """
     engine = HFEngine(tokenizer, policy, micro_batch_size=batch_size)
     groups: list[RankedGroup] = []
+    counts: Counter = Counter()
     start_time = time.perf_counter()
     for chunk, start in enumerate(range(0, len(prompts), batch_size)):
         chunk_prompts = list(prompts[start : start + batch_size])
         seed = None if sampling.seed is None else sampling.seed + chunk
         params = SamplingParams(**{**vars(sampling), "seed": seed})
         rollout = engine.generate(chunk_prompts, n, params)
+        kept = [j for j, text in enumerate(rollout.texts) if text.strip()]  # rollout rows with text
+        counts["blank_responses"] += len(rollout) - len(kept)
+        texts = [rollout.texts[j] for j in kept]
         scores = None
         if scorer is not None:
-            scores = [float(s) for s in scorer(rollout.prompts, rollout.texts)]
-            if len(scores) != len(rollout):
-                raise ValueError(f"scorer returned {len(scores)} scores for {len(rollout)} responses")
+            scores = [float(s) for s in scorer([rollout.prompts[j] for j in kept], texts)]
+            if len(scores) != len(kept):
+                raise ValueError(f"scorer returned {len(scores)} scores for {len(kept)} responses")
         lengths = rollout.response_lengths.tolist()
         for i, prompt in enumerate(chunk_prompts):
-            rows = slice(i * n, (i + 1) * n)
+            mine = [m for m, j in enumerate(kept) if j // n == i]  # positions in ``kept``
+            if not mine:
+                counts["prompts_without_response"] += 1
+                continue
             group = RankedGroup(
-                prompt, rollout.texts[rows], None if scores is None else scores[rows], lengths[rows]
+                prompt,
+                [texts[m] for m in mine],
+                None if scores is None else [scores[m] for m in mine],
+                [lengths[kept[m]] for m in mine],
             )
             groups.append(group if scorer is None else group.ranked())
         if log_every and (chunk + 1) % log_every == 0:
             elapsed = time.perf_counter() - start_time
-            print(f"alignlit sample: {len(groups)}/{len(prompts)} prompts ({elapsed:.0f} s)", flush=True)
-    return groups
+            print(
+                f"alignlit sample: {start + len(chunk_prompts)}/{len(prompts)} prompts ({elapsed:.0f} s)",
+                flush=True,
+            )
+    return groups, +counts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         seed=args.seed,
     )
     torch.manual_seed(args.seed)
-    groups = sample_ranked(
+    groups, counts = sample_ranked(
         policy,
         tokenizer,
         prompts,
@@ -171,10 +192,10 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
     write_jsonl([g.to_record() for g in groups], args.out)
     summary = f"alignlit sample: {len(groups)} prompts x {args.n} responses -> {args.out}"
     if scorer is not None:
-        mean = sum(sum(g.scores) for g in groups) / (len(groups) * args.n)
+        mean = sum(sum(g.scores) for g in groups) / sum(len(g.scores) for g in groups)
         best = sum(g.scores[0] for g in groups) / len(groups)
         summary += f"; mean score {mean:.4f}, mean best-of-{args.n} score {best:.4f}"
-    print(summary)
+    print(summary + (f" (left out: {dict(counts)})" if counts else ""))
     if args.pairs:
         pairs, counts = best_worst_pairs(groups, length_penalty=args.length_penalty, min_gap=args.min_gap)
         write_jsonl(pairs, args.pairs)
