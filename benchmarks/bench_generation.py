@@ -3,7 +3,8 @@
 Builds a local tokenizer and a tiny random Llama (the quickstart size: hidden 128, 4 layers, 2 heads
 of 64), exports it, and times ``generate`` for each engine on the same prompts and sampling
 parameters: response tokens per second over ``--repeats`` timed calls after one warm-up call, plus
-engine start-up time and the engine's log-prob parity with the model (max |Δ log p|).
+engine start-up time, process CPU time (less sensitive than wall time to other load on a shared
+machine) and the engine's log-prob parity with the model (max |Δ log p|).
 Prints a table and writes ``benchmarks/results/generation.json``.
 
     python benchmarks/bench_generation.py                   # hf and vllm (hf only without vllm)
@@ -56,12 +57,13 @@ def time_engine(name: str, model, tokenizer, model_dir: Path, prompts: list[str]
     startup = time.perf_counter() - start
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
     engine.generate(prompts, args.n, sampling)  # warm-up: first-call compilation and caches
-    tokens, seconds, parity = 0, 0.0, 0.0
+    tokens, seconds, cpu_seconds, parity = 0, 0.0, 0.0, 0.0
     for r in range(args.repeats):
         sampling.seed = r + 1
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         rollout = engine.generate(prompts, args.n, sampling)
         seconds += time.perf_counter() - start
+        cpu_seconds += time.process_time() - cpu_start
         tokens += int(rollout.response_lengths.sum())
         metrics = logprob_parity(model, rollout, temperature=args.temperature, max_samples=8)
         parity = max(parity, metrics["max_abs_diff"])
@@ -72,6 +74,7 @@ def time_engine(name: str, model, tokenizer, model_dir: Path, prompts: list[str]
         "samples_per_call": len(prompts) * args.n,
         "tokens": tokens,
         "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
         "parity_max_abs_diff": parity,
     }
@@ -126,7 +129,7 @@ def main() -> None:
     for r in results:
         print(
             f"{r['engine']:<6} {r['startup_s']:>9.1f} {r['tokens']:>7d} {r['seconds']:>8.2f} "
-            f"{r['tokens_per_s']:>9.1f} {r['parity_max_abs_diff']:>14.2e}"
+            f"{r['cpu_seconds']:>7.2f} {r['tokens_per_s']:>9.1f} {r['parity_max_abs_diff']:>14.2e}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
