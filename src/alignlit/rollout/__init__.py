@@ -22,6 +22,29 @@ __all__ = [
     "response_logprobs",
 ]
 
+from alignlit.rollout.loop import (
+    Experience,
+    RewardModel,
+    RolloutLoop,
+    RolloutScorer,
+    ScalarModelReward,
+    SimGoldReward,
+    score_rollout,
+)
+from alignlit.rollout.prompt_filter import PromptFilter, reward_variance
+
+__all__ += [
+    "Experience",
+    "PromptFilter",
+    "RewardModel",
+    "RolloutLoop",
+    "RolloutScorer",
+    "ScalarModelReward",
+    "SimGoldReward",
+    "reward_variance",
+    "score_rollout",
+]
+
 from alignlit.rollout.sampling import Scorer, load_scorer, sample_ranked  # noqa: E402
 
 __all__ += ["Scorer", "load_scorer", "sample_ranked"]

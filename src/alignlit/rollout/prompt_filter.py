@@ -1,0 +1,78 @@
+"""Prompt filtering by reward variance (ChatGLM-RLHF §3.4).
+
+For each prompt the policy samples ``k`` responses and the reward scores them; a prompt whose
+rewards vary by less than ``epsilon`` (unbiased variance over the ``k`` samples) offers little to
+learn from against the current policy and is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from alignlit.rollout.base import RolloutEngine, SamplingParams
+from alignlit.rollout.loop import Reward, score_rollout
+
+
+def reward_variance(
+    engine: RolloutEngine,
+    reward: Reward,
+    prompts: Sequence[str],
+    *,
+    k: int,
+    sampling: SamplingParams,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """(B,) unbiased variance of the rewards of ``k`` sampled responses per prompt.
+
+    Prompts go to the engine ``batch_size`` at a time; with ``sampling.seed`` set, chunk ``c`` is
+    sampled with seed ``sampling.seed + c`` (reproducible for a given batch size).
+    """
+    if k < 2:
+        raise ValueError(f"reward variance needs k >= 2 samples per prompt, got k={k}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    variances = []
+    for chunk, start in enumerate(range(0, len(prompts), batch_size)):
+        seed = None if sampling.seed is None else sampling.seed + chunk
+        params = SamplingParams(**{**vars(sampling), "seed": seed})
+        rollout = engine.generate(list(prompts[start : start + batch_size]), k, params)
+        rewards = score_rollout(reward, rollout).view(-1, k).double()  # (b, k)
+        variances.append(rewards.var(dim=-1, unbiased=True))
+    return torch.cat(variances) if variances else torch.zeros(0, dtype=torch.float64)
+
+
+@dataclass
+class PromptFilter:
+    """Drop prompts whose reward variance over ``k`` policy samples is below ``epsilon``.
+
+    Args:
+        k: responses sampled per prompt (>= 2).
+        epsilon: prompts with variance ``< epsilon`` are dropped.
+        sampling: how the ``k`` responses are sampled (its ``seed`` makes the filter reproducible).
+        batch_size: prompts per ``generate`` call.
+    """
+
+    k: int = 4
+    epsilon: float = 1e-3
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
+    batch_size: int = 64
+
+    def __call__(
+        self, engine: RolloutEngine, reward: Reward, prompts: Sequence[str]
+    ) -> tuple[list[str], dict[str, float]]:
+        """The kept prompts (in their order) and a report ``{prompts, kept, dropped, mean_variance}``."""
+        variances = reward_variance(
+            engine, reward, prompts, k=self.k, sampling=self.sampling, batch_size=self.batch_size
+        )
+        keep = (variances >= self.epsilon).tolist()
+        kept = [p for p, ok in zip(prompts, keep) if ok]
+        report = {
+            "prompts": float(len(prompts)),
+            "kept": float(len(kept)),
+            "dropped": float(len(prompts) - len(kept)),
+            "mean_variance": float(variances.mean()) if len(variances) else float("nan"),
+        }
+        return kept, report

@@ -1,0 +1,248 @@
+"""RolloutLoop on a tiny model with HFEngine: experience shapes, scoring, minibatches, seeding, sync, parity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from alignlit.models import load_policy, load_scalar_model, make_tiny_llama
+from alignlit.rollout import (
+    Experience,
+    ParityError,
+    PromptFilter,
+    RolloutLoop,
+    SamplingParams,
+    ScalarModelReward,
+    reward_variance,
+    score_rollout,
+)
+from alignlit.rollout.hf_engine import HFEngine
+from tests.conftest import TINY
+
+PROMPTS = [
+    "\n\nHuman: sort c a b\n\nAssistant:",
+    "\n\nHuman: copy d\n\nAssistant:",
+    "\n\nHuman: reverse h g f e\n\nAssistant:",
+]
+
+
+def char_count(prompts, responses):
+    """Reward = number of characters of the response (easy to recompute by hand)."""
+    return [float(len(r)) for r in responses]
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return make_tiny_llama(tokenizer, seed=0, **TINY)
+
+
+def make_loop(policy, tokenizer, **kwargs):
+    kwargs.setdefault("sampling", SamplingParams(max_new_tokens=6))
+    loop = RolloutLoop(**kwargs)
+    loop.setup(policy, tokenizer)
+    return loop
+
+
+def test_collect_shapes_and_scores(policy, tokenizer):
+    loop = make_loop(policy, tokenizer, samples_per_prompt=2)
+    exp = loop.collect(PROMPTS, char_count)
+    assert isinstance(exp, Experience)
+    n_samples = len(PROMPTS) * 2
+    r = exp.rollout
+    assert len(exp) == n_samples
+    assert r.prompt_ids.shape[0] == r.response_ids.shape[0] == n_samples
+    assert r.response_ids.shape[1] <= 6
+    assert r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert r.prompts == [p for p in PROMPTS for _ in range(2)]
+    assert exp.rewards.dtype == torch.float32
+    assert exp.rewards.tolist() == [float(len(t)) for t in r.texts]
+    assert exp.grouped_rewards().shape == (3, 2)
+    assert loop.rollouts == 1
+    for key in ("rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s"):
+        assert key in loop.metrics
+    tokens = int(r.response_mask.sum())
+    assert loop.metrics["rollout/tokens_per_s"] == pytest.approx(tokens / loop.metrics["rollout/generate_s"])
+
+
+def test_minibatch_and_epoch_counts(policy, tokenizer):
+    """10 rows, minibatch 4, 3 epochs: each epoch is a permutation of 0..9 cut as 4 + 4 + 2 (9 minibatches)."""
+    loop = make_loop(policy, tokenizer, epochs=3, minibatch_size=4)
+    batches = list(loop.minibatches(10))
+    assert len(batches) == loop.num_minibatches(10) == 9
+    assert [len(b) for b in batches] == [4, 4, 2] * 3
+    for epoch in range(3):
+        rows = torch.cat(batches[3 * epoch : 3 * epoch + 3])
+        assert sorted(rows.tolist()) == list(range(10))
+    orders = [torch.cat(batches[3 * e : 3 * e + 3]).tolist() for e in range(3)]
+    assert orders[0] != orders[1] or orders[1] != orders[2]  # shuffled per epoch
+    unshuffled = make_loop(policy, tokenizer, epochs=1, minibatch_size=4, shuffle=False)
+    assert [b.tolist() for b in unshuffled.minibatches(5)] == [[0, 1, 2, 3], [4]]
+
+
+def test_rollouts_are_seeded_and_state_resumes(policy, tokenizer):
+    """Rollout i uses seed + i: a fresh loop loaded with the state after rollout 1 reproduces rollout 2."""
+    loop = make_loop(policy, tokenizer, seed=5, minibatch_size=2)
+    first = loop.collect(PROMPTS, char_count)
+    state = copy.deepcopy(loop.state_dict())
+    second = loop.collect(PROMPTS, char_count)
+    order = [b.tolist() for b in loop.minibatches(6)]
+    assert first.rollout.texts != second.rollout.texts or not torch.equal(
+        first.rollout.response_ids, second.rollout.response_ids
+    )
+
+    resumed = make_loop(policy, tokenizer, seed=5, minibatch_size=2)
+    resumed.load_state_dict(state)
+    again = resumed.collect(PROMPTS, char_count)
+    assert torch.equal(again.rollout.response_ids, second.rollout.response_ids)
+    assert [b.tolist() for b in resumed.minibatches(6)] == order
+    # a same-seed loop from scratch reproduces the first rollout
+    assert torch.equal(
+        make_loop(policy, tokenizer, seed=5).collect(PROMPTS, char_count).rollout.response_ids,
+        first.rollout.response_ids,
+    )
+
+
+def test_sync_only_when_stale(policy, tokenizer):
+    loop = make_loop(policy, tokenizer)
+    calls = []
+    sync = loop.engine.sync
+    loop.engine.sync = lambda p: (calls.append(p), sync(p))
+    loop.collect(PROMPTS, char_count)
+    loop.collect(PROMPTS, char_count)
+    assert len(calls) == 1 and loop.syncs == 1  # synced once, at the first rollout
+    assert "rollout/sync_s" not in loop.metrics
+    loop.mark_stale()
+    loop.collect(PROMPTS, char_count)
+    assert len(calls) == 2 and "rollout/sync_s" in loop.metrics
+
+
+def test_parity_check_after_sync(policy, tokenizer):
+    loop = make_loop(policy, tokenizer, parity_every=1)
+    loop.collect(PROMPTS, char_count)
+    assert loop.metrics["rollout/parity_max_abs_diff"] < 1e-4
+
+    # an engine left on old weights: the loop's policy moved, the engine still generates with the original
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stale = make_loop(moved, tokenizer, parity_every=1)
+    stale.engine = HFEngine(tokenizer, policy)
+    stale.engine.sync = lambda p: None
+    with pytest.raises(ParityError, match="differ from the policy"):
+        stale.collect(PROMPTS, char_count)
+
+
+def test_evaluation_generate_does_not_count(policy, tokenizer):
+    loop = make_loop(policy, tokenizer)
+    rollout = loop.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert len(rollout) == 3 and loop.rollouts == 0
+
+
+def test_score_rollout_dispatch_and_errors(policy, tokenizer):
+    loop = make_loop(policy, tokenizer)
+    rollout = loop.generate(PROMPTS)
+
+    class TextModel:
+        def score(self, prompts, responses):
+            return torch.ones(len(responses)) * 2
+
+    class TokenModel:
+        def score_rollout(self, rollout):
+            return rollout.response_lengths.float()
+
+    assert score_rollout(TextModel(), rollout).tolist() == [2.0, 2.0, 2.0]
+    assert torch.equal(score_rollout(TokenModel(), rollout), rollout.response_lengths.float())
+    with pytest.raises(ValueError, match=r"shape \(2,\) for 3 responses"):
+        score_rollout(lambda p, r: [0.0, 1.0], rollout)
+    with pytest.raises(ValueError, match="non-finite scores at rows \\[1\\]"):
+        score_rollout(lambda p, r: [0.0, float("nan"), 1.0], rollout)
+    with pytest.raises(TypeError, match="reward must have"):
+        score_rollout(3, rollout)
+
+
+def test_bad_loop_arguments():
+    with pytest.raises(ValueError, match="'hf' or 'vllm'"):
+        RolloutLoop(engine="tgi")
+    with pytest.raises(ValueError, match=r"sampling\.seed must be None"):
+        RolloutLoop(sampling=SamplingParams(seed=3))
+    with pytest.raises(ValueError, match="minibatch_size must be >= 1"):
+        RolloutLoop(minibatch_size=0)
+    with pytest.raises(RuntimeError, match="setup"):
+        RolloutLoop().generate(PROMPTS)
+
+
+def test_vllm_engine_needs_policy_dir(policy, tokenizer):
+    with pytest.raises(ValueError, match="policy's Hugging Face directory"):
+        RolloutLoop(engine="vllm").setup(policy, tokenizer, policy_dir=None)
+
+
+def test_scalar_model_reward_matches_unpadded_forward(tiny_policy_dir, tokenizer):
+    """Token-id and text scoring of a padded batch equal one unpadded forward per sample."""
+    model, rm_tok = load_scalar_model(tiny_policy_dir)
+    policy, _ = load_policy(tiny_policy_dir)
+    rollout = make_loop(policy, tokenizer, sampling=SamplingParams(max_new_tokens=5)).generate(PROMPTS)
+    by_tokens = ScalarModelReward(model, rm_tok, same_tokenizer=True, batch_size=2).score_rollout(rollout)
+    expected = []
+    for j in range(len(rollout)):
+        ids = torch.cat(
+            [rollout.prompt_ids[j][rollout.prompt_mask[j]], rollout.response_ids[j][rollout.response_mask[j]]]
+        )
+        with torch.no_grad():
+            expected.append(model(ids[None], torch.ones_like(ids)[None]).item())
+    torch.testing.assert_close(by_tokens, torch.tensor(expected), rtol=0, atol=1e-5)
+
+    texts = ScalarModelReward(model, rm_tok, same_tokenizer=False, batch_size=2).score_rollout(rollout)
+    expected_text = []
+    for p, r in zip(rollout.prompts, rollout.texts):
+        ids = rm_tok(p, add_special_tokens=False).input_ids + rm_tok(r, add_special_tokens=False).input_ids
+        ids = torch.tensor([*ids, rm_tok.eos_token_id])
+        with torch.no_grad():
+            expected_text.append(model(ids[None], torch.ones_like(ids)[None]).item())
+    torch.testing.assert_close(texts, torch.tensor(expected_text), rtol=0, atol=1e-5)
+
+
+def test_reward_variance_and_prompt_filter(policy, tokenizer):
+    """Variance of k=3 samples per prompt equals torch.var of the same seeded samples' rewards; a
+    reward that is constant on 'copy' prompts drops exactly those."""
+    engine = HFEngine(tokenizer, policy)
+    sampling = SamplingParams(max_new_tokens=6, seed=11)
+
+    def reward(prompts, responses):
+        return [1.0 if "copy" in p else float(len(r)) for p, r in zip(prompts, responses)]
+
+    variances = reward_variance(engine, reward, PROMPTS, k=3, sampling=sampling, batch_size=8)
+    same = engine.generate(PROMPTS, 3, sampling)
+    expected = torch.tensor(reward(same.prompts, same.texts), dtype=torch.float64).view(3, 3).var(-1)
+    torch.testing.assert_close(variances, expected)
+    assert variances[1] == 0.0
+
+    kept, report = PromptFilter(k=3, epsilon=1e-9, sampling=sampling, batch_size=8)(engine, reward, PROMPTS)
+    expected_kept = [p for p, v in zip(PROMPTS, expected.tolist()) if v >= 1e-9]
+    assert kept == expected_kept and PROMPTS[1] not in kept
+    assert report["dropped"] == 3 - len(kept)
+    with pytest.raises(ValueError, match="k >= 2"):
+        reward_variance(engine, reward, PROMPTS, k=1, sampling=sampling)
+
+
+def test_show_phase_updates_tqdm_description():
+    class Bar:
+        is_enabled = True
+
+        def __init__(self):
+            self._train_progress_bar = self
+            self.disable = False
+            self.descriptions = []
+
+        def set_description(self, text, refresh=True):
+            self.descriptions.append(text)
+
+    class Trainer:
+        current_epoch = 2
+        progress_bar_callback = Bar()
+
+    trainer = Trainer()
+    RolloutLoop().show_phase(trainer, "rollout")
+    assert trainer.progress_bar_callback.descriptions == ["Epoch 2 [rollout]"]
