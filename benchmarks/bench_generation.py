@@ -118,7 +118,8 @@ def main() -> None:
             results.append(time_engine(name, model, tokenizer, model_dir, prompts, args))
 
     header = (
-        f"{'engine':<6} {'startup s':>9} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'parity max|Δ|':>14}"
+        f"{'engine':<6} {'startup s':>9} {'tokens':>7} {'seconds':>8} {'cpu s':>7} {'tokens/s':>9} "
+        f"{'parity max|Δ|':>14}"
     )
     print(
         f"\nmodel: tiny Llama, {num_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
