@@ -211,11 +211,11 @@ def test_encoder_layout_causal(tokenizer):
     response_ids = tokenizer(" a b", add_special_tokens=False).input_ids
     assert e.input_ids == prompt_ids + response_ids + [tokenizer.eos_token_id]
     assert e.prompt_length == len(prompt_ids)
-    # truncation keeps the end token: 6 tokens budget, prompt cut to 3 from the left
+    # as in SFT: the prompt loses tokens from the left, a response cut to fit loses its EOS
     short = PairEncoder(tokenizer, max_length=6, max_prompt_length=3)
     e = short.encode("\n\nHuman: copy a b\n\nAssistant:", " a b c d e f", "x:1")
-    assert len(e.input_ids) == 6 and e.prompt_length == 3 and e.input_ids[-1] == tokenizer.eos_token_id
-    assert e.input_ids[:3] == prompt_ids[-3:]
+    response_ids = tokenizer(" a b c d e f", add_special_tokens=False).input_ids
+    assert e.input_ids == prompt_ids[-3:] + response_ids[:3] and e.prompt_length == 3
     assert short.counts == {"prompts_left_truncated": 1, "responses_right_truncated": 1}
 
 

@@ -119,7 +119,7 @@ def test_scoring_api_matches_plain_hf_and_batching(trained_rm):
     hf = AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).eval()
     expected = torch.tensor([hf_score(hf, module.tokenizer, p, r) for p, r in zip(prompts, responses)])
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
-    assert rm.encoder.truncation.max_length == 32 - 1  # training lengths from alignlit.json, EOS reserved
+    assert rm.encoder.truncation.max_length == 32  # the training length, from alignlit.json
     msgs = [[{"role": "user", "content": "copy a b"}]]  # the template adds "\n\nHuman: "
     assert rm.score(msgs, [" a b"]).item() == pytest.approx(rm.score([f"{H} copy a b{A}"], [" a b"]).item())
     with pytest.raises(ValueError, match="equal lengths"):

@@ -217,21 +217,21 @@ def response_length(encoded: Encoded) -> int:
 class PairEncoder:
     """The token layout of a scored sequence, shared by training and the scoring API.
 
-    Causal-LM tokenizers (with an EOS token): ``prompt + response + EOS``. Encoder tokenizers
-    without EOS but with CLS/SEP (BERT, MiniLM): ``CLS + prompt + response + SEP``, one segment, so
-    the exported model scores ``tokenizer(prompt + response)`` in plain Hugging Face code. The end
-    token is kept even when the response is cut by the truncation policy, so the score is always
-    read at the same kind of position. Lengths are those of :class:`~alignlit.data.Truncation`
-    (which counts truncations and drops) and include the special tokens.
+    Causal-LM tokenizers (with an EOS token): ``prompt + response + EOS``, with the truncation
+    policy of :class:`~alignlit.data.Truncation` (as in SFT: a response cut to fit ``max_length``
+    loses its EOS). Encoder tokenizers without EOS but with CLS/SEP (BERT, MiniLM):
+    ``CLS + prompt + response + SEP`` as one segment, so the exported model scores
+    ``tokenizer(prompt + response)`` in plain Hugging Face code; CLS and SEP are always there.
+    Lengths include the special tokens; truncations and drops are counted in :attr:`counts`.
     """
 
     def __init__(
         self, tokenizer, *, max_length: int, max_prompt_length: int, overflow: Overflow = "truncate"
     ):
         if tokenizer.eos_token_id is not None:
-            self.prefix, self.suffix = [], [tokenizer.eos_token_id]
+            self.prefix, self.suffix, self.add_eos = [], [], True
         elif tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
-            self.prefix, self.suffix = [tokenizer.cls_token_id], [tokenizer.sep_token_id]
+            self.prefix, self.suffix, self.add_eos = [tokenizer.cls_token_id], [tokenizer.sep_token_id], False
         else:
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has neither an EOS token nor CLS/SEP tokens"
@@ -250,7 +250,7 @@ class PairEncoder:
 
     def encode(self, prompt: str, response: str, source: str) -> Encoded | None:
         """``None`` when the overflow policy drops the pair."""
-        enc = self.truncation.encode(prompt, response, source, add_eos=False)
+        enc = self.truncation.encode(prompt, response, source, add_eos=self.add_eos)
         if enc is None:
             return None
         return Encoded(self.prefix + enc.input_ids + self.suffix, len(self.prefix) + enc.prompt_length)

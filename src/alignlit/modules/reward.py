@@ -45,7 +45,8 @@ class RewardModule(AlignModule):
     copy of the initial causal LM's head; that head exists only for the loss and is not exported.
     Validation logs accuracy, mean/std of scores, the margin ``r_w - r_l``, and the Pearson
     correlation of reward with response length (tokens), and writes a histogram of the scores to
-    ``<log dir>/reward_hist/step_<N>.png``.
+    ``<log dir>/reward_hist/step_<N>.png``. Dropout stays off (Hugging Face loads models in eval
+    mode and Lightning keeps submodule modes), the usual choice for reward models.
 
     Args:
         model: initial weights: a causal-LM directory (e.g. the SFT export; a fresh head is added),
