@@ -7,14 +7,13 @@ import copy
 import pytest
 import torch
 
-from alignlit.models import load_policy, load_scalar_model, make_tiny_llama
+from alignlit.models import make_tiny_llama
 from alignlit.rollout import (
     Experience,
     ParityError,
     PromptFilter,
     RolloutLoop,
     SamplingParams,
-    ScalarModelReward,
     reward_variance,
     score_rollout,
 )
@@ -177,31 +176,6 @@ def test_bad_loop_arguments():
 def test_vllm_engine_needs_policy_dir(policy, tokenizer):
     with pytest.raises(ValueError, match="policy's Hugging Face directory"):
         RolloutLoop(engine="vllm").setup(policy, tokenizer, policy_dir=None)
-
-
-def test_scalar_model_reward_matches_unpadded_forward(tiny_policy_dir, tokenizer):
-    """Token-id and text scoring of a padded batch equal one unpadded forward per sample."""
-    model, rm_tok = load_scalar_model(tiny_policy_dir)
-    policy, _ = load_policy(tiny_policy_dir)
-    rollout = make_loop(policy, tokenizer, sampling=SamplingParams(max_new_tokens=5)).generate(PROMPTS)
-    by_tokens = ScalarModelReward(model, rm_tok, same_tokenizer=True, batch_size=2).score_rollout(rollout)
-    expected = []
-    for j in range(len(rollout)):
-        ids = torch.cat(
-            [rollout.prompt_ids[j][rollout.prompt_mask[j]], rollout.response_ids[j][rollout.response_mask[j]]]
-        )
-        with torch.no_grad():
-            expected.append(model(ids[None], torch.ones_like(ids)[None]).item())
-    torch.testing.assert_close(by_tokens, torch.tensor(expected), rtol=0, atol=1e-5)
-
-    texts = ScalarModelReward(model, rm_tok, same_tokenizer=False, batch_size=2).score_rollout(rollout)
-    expected_text = []
-    for p, r in zip(rollout.prompts, rollout.texts):
-        ids = rm_tok(p, add_special_tokens=False).input_ids + rm_tok(r, add_special_tokens=False).input_ids
-        ids = torch.tensor([*ids, rm_tok.eos_token_id])
-        with torch.no_grad():
-            expected_text.append(model(ids[None], torch.ones_like(ids)[None]).item())
-    torch.testing.assert_close(texts, torch.tensor(expected_text), rtol=0, atol=1e-5)
 
 
 def test_reward_variance_and_prompt_filter(policy, tokenizer):

@@ -24,6 +24,7 @@ from alignlit.data.sft import SFTDataModule
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.models.loading import load_policy, load_scalar_model
+from alignlit.models.reward import load_reward_model
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, check_finite
 from alignlit.ops import (
@@ -42,7 +43,7 @@ from alignlit.ops import (
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.logprobs import position_ids_from_mask, response_logprobs
-from alignlit.rollout.loop import Reward, RewardFn, RolloutLoop, ScalarModelReward, score_rollout
+from alignlit.rollout.loop import Reward, RewardFn, RolloutLoop, score_rollout
 from alignlit.rollout.prompt_filter import PromptFilter
 
 RewardNorm = Literal["none", "normalize", "scale"]
@@ -193,10 +194,10 @@ class PPOModule(AlignModule):
 
     Args:
         policy: causal-LM directory (e.g. the SFT export), or a :class:`~alignlit.models.TinyLlama` spec.
-        reward_model: a reward-model directory (loaded with ``load_scalar_model``, frozen; scored on
-            the sampled token ids when it shares the policy's tokenizer) or any reward object/callable
-            (``score_rollout(rollout)``, ``score(prompts, responses)`` or ``(prompts, responses) -> rewards``,
-            e.g. :class:`~alignlit.rollout.SimGoldReward`).
+        reward_model: a reward-model directory (``load_reward_model``: frozen, scores the response
+            texts encoded as in its training) or any reward object/callable (``score_rollout(rollout)``,
+            ``score(prompts, responses)`` or ``(prompts, responses) -> rewards``, e.g.
+            :class:`~alignlit.rollout.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: ``policy``).
         critic: scalar-model directory the critic starts from (default: ``reward_model`` when it is
             a directory, else ``policy`` with a fresh head). Must share the policy's tokenizer.
@@ -321,14 +322,9 @@ class PPOModule(AlignModule):
 
         self.reward_model = None
         if isinstance(reward_model, str):
-            self.reward_model, rm_tokenizer = load_scalar_model(reward_model, dtype=dtype)
+            self.reward: Reward = load_reward_model(reward_model, batch_size=reward_batch_size, dtype=dtype)
+            self.reward_model = self.reward.model  # registered, so it follows the module's device
             self.reward_model.requires_grad_(False).eval()
-            self.reward: Reward = ScalarModelReward(
-                self.reward_model,
-                rm_tokenizer,
-                same_tokenizer=rm_tokenizer.get_vocab() == self.tokenizer.get_vocab(),
-                batch_size=reward_batch_size,
-            )
         else:
             self.reward = reward_model
         critic_dir = critic or (reward_model if isinstance(reward_model, str) else self._policy_dir)

@@ -27,7 +27,6 @@ from alignlit.rollout.loop import (
     RewardModel,
     RolloutLoop,
     RolloutScorer,
-    ScalarModelReward,
     SimGoldReward,
     score_rollout,
 )
@@ -39,7 +38,6 @@ __all__ += [
     "RewardModel",
     "RolloutLoop",
     "RolloutScorer",
-    "ScalarModelReward",
     "SimGoldReward",
     "reward_variance",
     "score_rollout",
