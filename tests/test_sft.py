@@ -126,6 +126,7 @@ def test_sft_learns_and_exports(tmp_path, tokenizer_dir):
     dm = SFTDataModule(str(f), val_file=str(f), batch_size=3)
     trainer = L.Trainer(
         max_steps=60,
+        default_root_dir=tmp_path,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
