@@ -666,9 +666,11 @@ class PPOModule(AlignModule):
                 (torch.stack([loss for loss, _ in nll]) * tokens).sum() / tokens.sum()
             )
         if metrics:
-            self.log_dict(metrics, sync_dist=True)
             if not self.trainer.sanity_checking:
-                self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
+                self.log_dict(metrics, sync_dist=True)
+            # the sanity check before training (``num_sanity_val_steps: -1`` runs all validation
+            # batches) is the curve's starting point
+            self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
 
     # ------------------------------------------------------------------ checkpoints and curves
     def _frozen_prefixes(self) -> list[str]:
