@@ -43,10 +43,13 @@ def slow(session: nox.Session) -> None:
 
 @nox.session
 def vllm(session: nox.Session) -> None:
-    """vLLM-on-CPU integration: engine start, generation, weight sync, log-prob parity."""
+    """vLLM-on-CPU integration: engine start, generation, weight sync, log-prob parity (+ PPO on vLLM)."""
     install(session)
-    session.run("bash", ".ci/install-vllm.sh", "python", external=True)
-    session.run("pytest", "-m", "vllm", *session.posargs, env=ENV)
+    session.run("bash", ".ci/install-vllm.sh", os.path.join(session.bin, "python"), external=True)
+    # ALIGNLIT_REQUIRE_VLLM turns the "vllm not installed" skip into an error: this session cannot pass
+    # by skipping everything
+    env = {**ENV, "ALIGNLIT_REQUIRE_VLLM": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    session.run("pytest", "-m", "vllm", *session.posargs, env=env)
 
 
 QUICKSTART = [
