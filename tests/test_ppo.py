@@ -19,7 +19,7 @@ from alignlit.models import export_pretrained, load_reward_model, load_scalar_mo
 from alignlit.modules import PPOModule
 from alignlit.modules.ppo import explained_variance, kl_penalized_rewards, normalize_scores
 from alignlit.ops import RunningMoments, entropy_from_logits
-from alignlit.rollout import RolloutLoop, SamplingParams, response_logprobs
+from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams, response_logprobs
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,6 +361,37 @@ def test_critic_pretraining_freezes_policy_then_both_train(tmp_path, tiny_policy
     fit(module, data_dir, tmp_path / "more", rollouts=2)
     assert not all(torch.equal(v, policy0[k]) for k, v in module.policy.state_dict().items())
     assert [h["rollout"] for h in module.history if "policy/policy_loss" in h] == [3.0, 4.0]
+
+
+def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, data_dir):
+    """A reward constant on 'copy' prompts has zero variance there: the filter drops exactly those
+    before the first rollout (ChatGLM §3.4)."""
+
+    def reward(prompts, responses):
+        return [1.0 if "copy" in p else float(len(r)) for p, r in zip(prompts, responses)]
+
+    module = make_module(
+        tiny_policy_dir,
+        reward_model=reward,
+        prompt_filter=PromptFilter(k=3, epsilon=1e-9, sampling=SamplingParams(max_new_tokens=5, seed=0)),
+    )
+    engine = HFEngine(module.tokenizer, module.policy, micro_batch_size=64)
+    expected, _ = module.prompt_filter(engine, reward, PROMPTS)  # same seeded samples as at fit start
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    dm = PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), batch_size=4)
+    trainer.fit(module, dm)
+    assert dm.train_prompts == expected
+    assert any("copy" in p for p in PROMPTS) and not any("copy" in p for p in expected)
 
 
 def test_bad_arguments_name_the_field(tiny_policy_dir):
