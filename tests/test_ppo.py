@@ -315,6 +315,7 @@ def resume_module(tiny_policy_dir, reference_dir, data_dir):
     )
 
 
+@pytest.mark.slow
 def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
     """4 rollouts straight vs. resumed from the checkpoint written mid-epoch after rollout 3: same
     weights, same metrics (timings aside), same online state.
@@ -363,6 +364,7 @@ def test_critic_pretraining_freezes_policy_then_both_train(tmp_path, tiny_policy
     assert [h["rollout"] for h in module.history if "policy/policy_loss" in h] == [3.0, 4.0]
 
 
+@pytest.mark.slow
 def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, data_dir):
     """A reward constant on 'copy' prompts has zero variance there: the filter drops exactly those
     before the first rollout (ChatGLM §3.4)."""
@@ -421,6 +423,7 @@ def test_reward_model_directory(tmp_path, tiny_policy_dir):
 CONFIGS = [ROOT / "configs/quickstart/ppo.yaml", ROOT / "configs/quickstart/ppo-vanilla.yaml"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_config_tiny_fit(config, tmp_path, tiny_policy_dir, data_dir):
     """Each shipped PPO config runs two rollouts on the tiny model through the CLI (paths overridden)."""
