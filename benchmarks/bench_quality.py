@@ -29,6 +29,22 @@ QUICKSTART = Path("out/quickstart")
 DEFAULT_POLICIES = {name: str(QUICKSTART / name) for name in ("dpo", "rrhf", "ppo")}
 
 
+def blank_safe(score_fn):
+    """A selection score that ranks blank responses last: a reward model cannot score an empty
+    response (its encoding raises), and an empty answer is never the best of n."""
+
+    def select(prompts, responses):
+        kept = [i for i, r in enumerate(responses) if r.strip()]
+        out = torch.full((len(responses),), float("-inf"))
+        if kept:
+            out[kept] = torch.as_tensor(
+                score_fn([prompts[i] for i in kept], [responses[i] for i in kept]), dtype=torch.float32
+            )
+        return out.tolist()
+
+    return select
+
+
 def parse_policies(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -55,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="NAME=DIR rows (default: dpo, rrhf, ppo under out/quickstart/, those that exist)",
     )
     p.add_argument("--best-of", type=int, nargs="*", default=[4], help="best-of-n rows (default: 4)")
+    p.add_argument(
+        "--oracle", action="store_true", help="also best-of-n selected by the gold reward (an upper bound)"
+    )
     p.add_argument("--n-prompts", type=int, default=500, help="held-out test prompts (default: 500)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -94,20 +113,27 @@ def main(argv: list[str] | None = None) -> list[EvalResult]:
     if Path(args.reward).is_dir():
         from alignlit.models import load_reward_model
 
-        select_fn, selector = load_reward_model(args.reward, batch_size=args.batch_size).score, "RM"
-    for n in args.best_of:
-        results.append(
-            best_of_n(
-                sft,
-                tokenizer,
-                prompts,
-                task.gold_rewards,
-                n=n,
-                select_fn=select_fn,
-                name=f"SFT best-of-{n} ({selector})",
-                **common,
-            )
+        select_fn, selector = (
+            blank_safe(load_reward_model(args.reward, batch_size=args.batch_size).score),
+            "RM",
         )
+    selectors = [(select_fn, selector)]
+    if args.oracle and select_fn is not None:
+        selectors.append((None, "oracle: gold"))
+    for n in args.best_of:
+        for fn, label in selectors:
+            results.append(
+                best_of_n(
+                    sft,
+                    tokenizer,
+                    prompts,
+                    task.gold_rewards,
+                    n=n,
+                    select_fn=fn,
+                    name=f"SFT best-of-{n} ({label})",
+                    **common,
+                )
+            )
     for name, path in policies.items():
         policy, policy_tokenizer = load_policy(path)
         policy.eval()
