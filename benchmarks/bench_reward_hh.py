@@ -12,7 +12,8 @@ sequences. Each side runs in its own process, so its peak resident memory is its
 
 Reported per side: held-out pairwise accuracy, training pairs/s (training loop only: no model
 loading, data preparation or evaluation) and peak memory during training (process peak RSS when
-training ends, and its growth over the RSS peak before training; on a GPU also
+training ends, and its growth over the RSS when the training loop starts, with the model loaded:
+activations, gradients and optimizer state; on a GPU also
 ``torch.cuda.max_memory_allocated``). Prints a table and writes
 ``benchmarks/results/reward_hh.json``.
 
@@ -125,6 +126,7 @@ def reference_train(model_args: dict, trainer_args: dict, train_set, pad_id: int
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     g = torch.Generator().manual_seed(seed)
     sync()
+    reference_train.rss_at_start = current_rss_mb()
     start = time.perf_counter()
     for _ in range(epochs):
         order = torch.randperm(len(train_set), generator=g).tolist()
@@ -155,6 +157,7 @@ def alignlit_train(model_args: dict, trainer_args: dict, dm, seed: int, device):
     class Timer(L.Callback):
         def on_train_start(self, trainer, module):
             sync()
+            self.rss_at_start = current_rss_mb()
             self.start = time.perf_counter()
 
         def on_train_end(self, trainer, module):
@@ -182,7 +185,16 @@ def alignlit_train(model_args: dict, trainer_args: dict, dm, seed: int, device):
     )
     trainer.fit(module, dm)
     val = L.Trainer(**quiet).validate(module, dm, verbose=False)[0]
-    return module, timer.seconds, val
+    return module, timer.seconds, val, timer.rss_at_start
+
+
+def current_rss_mb() -> float:
+    """Resident memory now (Linux ``/proc``; elsewhere the peak so far)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def sync():
@@ -197,10 +209,9 @@ def worker(args) -> dict:
     trainer_args, model_args, data_args = load_config(args)
     dm, tok = prepare_data(data_args, args.train_pairs, args.seed)
     trainer_args["batch_size"] = data_args["batch_size"]
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     extra = {}
     if args.worker == "alignlit":
-        module, seconds, val = alignlit_train(model_args, trainer_args, dm, args.seed, device)
+        module, seconds, val, rss_start = alignlit_train(model_args, trainer_args, dm, args.seed, device)
         peak_train = train_peak(extra, device)
         model = module.rm.to(device).eval()
         accuracy = heldout_accuracy(lambda i, m: model(i, m), dm.val_set, tok.pad_token_id, device)
@@ -208,7 +219,7 @@ def worker(args) -> dict:
         extra["val_reward_length_corr"] = float(val["val/reward_length_corr"])
     else:
         seconds = reference_train(model_args, trainer_args, dm.train_set, tok.pad_token_id, args.seed, device)
-        peak_train = train_peak(extra, device)
+        peak_train, rss_start = train_peak(extra, device), reference_train.rss_at_start
         model = reference_train.model.eval()
         accuracy = heldout_accuracy(
             lambda i, m: model(input_ids=i, attention_mask=m).logits.squeeze(-1),
@@ -226,7 +237,7 @@ def worker(args) -> dict:
         "train_seconds": seconds,
         "pairs_per_second": pairs / seconds,
         "peak_rss_mb": peak_train,
-        "rss_before_training_mb": rss_before,
+        "rss_at_train_start_mb": rss_start,
         "peak_rss_with_eval_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         **extra,
     }
@@ -248,7 +259,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r['side']:<10} {r['heldout_accuracy']:>12.4f} {r['pairs_per_second']:>9.2f} {r['train_seconds']:>8.1f} "
-            f"{r['peak_rss_mb']:>12.0f} {r['peak_rss_mb'] - r['rss_before_training_mb']:>9.0f}"
+            f"{r['peak_rss_mb']:>12.0f} {r['peak_rss_mb'] - r['rss_at_train_start_mb']:>9.0f}"
         )
     return "\n".join(lines)
 
