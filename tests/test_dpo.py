@@ -245,13 +245,13 @@ def test_dpo_config_fits(tmp_path, tiny_policy_dir):
 
 
 def test_dpo_learns_the_preferences(tmp_path, tiny_policy_dir, tokenizer_dir):
-    """40 steps on 8 pairs: every pair ends with a positive implicit-reward margin h > 0 (a sign error
+    """25 steps on 8 pairs: every pair ends with a positive implicit-reward margin h > 0 (a sign error
     in the chosen/rejected rows would drive the accuracy to 0 instead)."""
     data = _pairs_file(tmp_path / "pairs.jsonl")
     L.seed_everything(0)
     module = DPOModule(str(tiny_policy_dir), beta=0.5, lr=3e-3, warmup_steps=1)
     trainer = L.Trainer(
-        max_steps=40,
+        max_steps=25,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
