@@ -425,10 +425,12 @@ CONFIGS = [ROOT / "configs/quickstart/ppo.yaml", ROOT / "configs/quickstart/ppo-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_tiny_fit(config, tmp_path, tiny_policy_dir, data_dir):
-    """Each shipped PPO config runs two rollouts on the tiny model through the CLI (paths overridden)."""
+def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, data_dir):
+    """Each shipped PPO config runs two rollouts on the tiny model through the CLI, with its own logger
+    and checkpoint callback (relative paths land in tmp_path); model and data paths overridden."""
     from alignlit.cli import main
 
+    monkeypatch.chdir(tmp_path)
     main(
         [
             "fit",
@@ -437,26 +439,25 @@ def test_config_tiny_fit(config, tmp_path, tiny_policy_dir, data_dir):
             f"--model.init_args.policy={tiny_policy_dir}",
             f"--model.init_args.reward_model={tiny_policy_dir}",
             "--model.init_args.gold=null",
-            f"--model.init_args.export_dir={tmp_path / 'export'}",
-            f"--model.init_args.curves_file={tmp_path / 'curves.png'}",
+            f"--model.init_args.ptx_file={data_dir / 'sft.jsonl'}",
+            f"--model.init_args.ptx_val_file={data_dir / 'sft.jsonl'}",
+            "--model.init_args.export_dir=export",
             f"--data.init_args.train_file={data_dir / 'prompts.jsonl'}",
             f"--data.init_args.val_file={data_dir / 'prompts.jsonl'}",
             "--data.init_args.batch_size=4",
             "--trainer.limit_train_batches=2",
             "--trainer.limit_val_batches=1",
             "--trainer.val_check_interval=2",
-            "--trainer.max_epochs=1",
-            "--trainer.logger=false",
-            "--trainer.callbacks=[]",
-            "--trainer.enable_checkpointing=false",
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--model.init_args.ptx_file={data_dir / 'sft.jsonl'}",
-            f"--model.init_args.ptx_val_file={data_dir / 'sft.jsonl'}",
         ]
     )
     assert (tmp_path / "export" / "config.json").exists()
-    history = json.loads((tmp_path / "curves.json").read_text())
+    curves = next((tmp_path / "out" / "quickstart" / "logs").rglob("ppo_curves.json"))
+    history = json.loads(curves.read_text())
     assert len([h for h in history if "reward/raw" in h]) == 2
+    assert [h["rollout"] for h in history if "val/reward" in h] == [0.0, 2.0]  # before training, after 2
+    if "vanilla" not in config.name:
+        last = torch.load(tmp_path / "out/quickstart/checkpoints/ppo/last.ckpt", weights_only=True)
+        assert last["ppo_state"]["rollout"]["rollouts"] == 2
 
 
 # ---------------------------------------------------------------------- vLLM
