@@ -3,7 +3,9 @@
 ``alignlit fit|validate|test|predict --config stage.yaml`` runs a stage through LightningCLI (every
 field overridable on the command line, ``alignlit fit --help`` and ``--model.help CLASS`` document
 them). Other subcommands are plain tools: ``alignlit sim …`` (simulated-feedback data),
-``alignlit eval …`` (gold-reward evaluation of a policy).
+``alignlit eval …`` (gold-reward evaluation of a policy), ``alignlit sample …`` (n responses per prompt,
+ranked by a reward model: best-of-n, DPO pairs, rejection-sampling data), ``alignlit score …`` (score
+records with a trained reward model).
 """
 
 from __future__ import annotations
@@ -60,14 +62,18 @@ def _to_plain(ns):
 
 def _tools() -> dict:
     from alignlit.eval import cli as eval_cli
+    from alignlit.eval import score
+    from alignlit.rollout import sampling
     from alignlit.sim import cli as sim_cli
 
-    return {"sim": sim_cli.main, "eval": eval_cli.main}
+    return {"sim": sim_cli.main, "eval": eval_cli.main, "sample": sampling.main, "score": score.main}
 
 
 USAGE = """usage: alignlit {fit,validate,test,predict} --config STAGE.yaml [--key value ...]
        alignlit sim make-data --out DIR [...]
-       alignlit eval --policy DIR [...]
+       alignlit eval --sim DIR --policy DIR [...]
+       alignlit sample --policy DIR --prompts FILE --n N --out ranked.jsonl [--scorer RM_DIR|gold] [...]
+       alignlit score --model RM_DIR (--input FILE --output scores.jsonl | --pairs FILE)
 
 Run `alignlit fit --help` for the training stages and `alignlit <tool> --help` for the tools."""
 
