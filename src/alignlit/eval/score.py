@@ -74,9 +74,9 @@ def evaluate_pairs(model_dir: str, records, *, batch_size: int, max_length: int 
         prob, consistent = pm.prob_both_orders(prompts, chosen, rejected)
         return {
             "pairs": len(pairs),
-            "accuracy": float((prob > 0.5).float().mean()),
+            "accuracy": float((prob > 0.5).double().mean()),
             "prob_chosen": float(prob.mean()),
-            "position_consistency": float(consistent.float().mean()),
+            "position_consistency": float(consistent.double().mean()),
         }
     rm = load_reward_model(model_dir, batch_size=batch_size, max_length=max_length)
     s_w, s_l = rm.score(prompts, chosen), rm.score(prompts, rejected)
@@ -85,7 +85,7 @@ def evaluate_pairs(model_dir: str, records, *, batch_size: int, max_length: int 
     lengths = torch.tensor([len(tok(r, add_special_tokens=False).input_ids) for r in chosen + rejected])
     return {
         "pairs": len(pairs),
-        "accuracy": float((s_w > s_l).float().mean()),
+        "accuracy": float((s_w > s_l).double().mean()),
         "margin": float((s_w - s_l).mean()),
         "score_mean": float(every.mean()),
         "score_std": float(every.std()),
