@@ -14,10 +14,10 @@ prompts, T = 1, seed 0): gold reward, KL to the SFT policy, response length; plu
 the NLL on the SFT validation demonstrations (capability retention). Stability columns come from the
 training curves: the largest KL(π‖π0) and response length seen during training. Prints a Markdown
 table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the arms' training curves
-in ``benchmarks/results/ppo_ablations.png``.
+in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
     python benchmarks/bench_ppo_ablations.py                         # RM: out/quickstart/reward
-    python benchmarks/bench_ppo_ablations.py --reward-model gold     # the gold reward as the RM (oracle)
+    python benchmarks/bench_ppo_ablations.py --reward-model gold --name ppo_ablations_gold  # oracle RM
     python benchmarks/bench_ppo_ablations.py --arms ppo-max vanilla --rollouts 40
 """
 
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=int, default=100, help="rollouts per arm (default: 100)")
     p.add_argument("--out", default="out/bench_ppo", help="working directory of the runs")
     p.add_argument("--results", default="benchmarks/results", help="where the table, JSON and PNG go")
+    p.add_argument("--name", default="ppo_ablations", help="file name of the table, JSON and PNG")
     p.add_argument("--n-prompts", type=int, default=500, help="held-out test prompts (default: 500)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--set", nargs="*", default=[], help="extra CLI overrides for every arm (key=value)")
@@ -217,8 +218,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{args.rollouts} rollouts per arm; KL to {args.sft}."
     )
     print("\n" + table + note)
-    (results / "ppo_ablations.md").write_text(table + "\n" + note + "\n")
-    (results / "ppo_ablations.json").write_text(
+    (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
+    (results / f"{args.name}.json").write_text(
         json.dumps(
             {
                 "rows": rows,
@@ -235,11 +236,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     plot_curves(
         histories,
-        results / "ppo_ablations.png",
+        results / f"{args.name}.png",
         panels=PPO_PANELS,
         title=f"PPO ablations ({args.rollouts} rollouts, reward: {Path(args.reward_model).name})",
     )
-    print(f"wrote {results / 'ppo_ablations.md'}, .json and .png")
+    print(f"wrote {results / args.name}.md, .json and .png")
     return rows
 
 
