@@ -44,12 +44,13 @@ def _data(tmp_path, n=48):
     return f
 
 
-def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps, callbacks, ckpt_path=None):
+def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, callbacks, ckpt_path=None):
     L.seed_everything(0)
     module = SFTModule(policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), lr=1e-3, warmup_steps=2)
     dm = SFTDataModule(str(_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = L.Trainer(
         max_steps=max_steps,
+        max_epochs=max_epochs,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
@@ -87,6 +88,26 @@ def test_sft_resume_is_exact(tmp_path, tokenizer_dir):
         assert torch.equal(p, q)
 
 
+def test_sft_resume_is_exact_when_the_run_length_is_in_epochs(tmp_path, tokenizer_dir):
+    """With max_epochs the schedule's length comes from the data; resuming mid-epoch stays exact."""
+    full = Record()
+    _run(tmp_path, tokenizer_dir, tmp_path / "a", max_epochs=2, callbacks=[full])
+    assert len(full.losses) == 20
+    killed = Record(crash_at=7)
+    with pytest.raises(Killed):
+        _run(tmp_path, tokenizer_dir, tmp_path / "b", max_epochs=2, callbacks=[killed])
+    resumed = Record()
+    _run(
+        tmp_path,
+        tokenizer_dir,
+        tmp_path / "b",
+        max_epochs=2,
+        callbacks=[resumed],
+        ckpt_path=str(tmp_path / "b" / "epoch=0-step=6.ckpt"),
+    )
+    assert resumed.losses == full.losses[6:]
+
+
 def test_warmup_cosine_schedule_values():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = warmup_cosine(opt, warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
@@ -98,6 +119,17 @@ def test_warmup_cosine_schedule_values():
     # warmup: 1/2, 2/2; then cosine over 4 steps: 0.1 + 0.9*0.5*(1+cos(pi*k/4)), k=0..4
     expected = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1]
     assert lrs == pytest.approx(expected)
+    # the total may be given late (a callable asked once warmup is over): same schedule
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    asked = []
+    sched = warmup_cosine(opt, warmup_steps=2, total_steps=lambda: asked.append(1) or 6, min_lr_ratio=0.1)
+    lazy = []
+    for _ in range(7):
+        lazy.append(opt.param_groups[0]["lr"])
+        assert len(asked) == (1 if len(lazy) > 3 else 0)
+        opt.step()
+        sched.step()
+    assert lazy == pytest.approx(expected)
 
 
 def test_nan_loss_raises_with_step():

@@ -51,11 +51,14 @@ class Truncation:
             ids = ids[-self.max_prompt_length :]
         return ids
 
-    def encode(self, prompt: str, response: str, source: str, *, add_eos: bool = True) -> Encoded | None:
-        """Encode one pair; None when the policy drops it."""
+    def encode(
+        self, prompt: str, response: str, source: str, *, add_eos: bool = True, allow_empty: bool = False
+    ) -> Encoded | None:
+        """Encode one pair; None when the policy drops it. An empty response is an error in data
+        (``allow_empty=False``); scoring a policy's sample that ended at once passes ``allow_empty``."""
         prompt_ids = self.encode_prompt(prompt)
         response_ids = self.tokenizer(response, add_special_tokens=False).input_ids
-        if not response_ids:
+        if not response_ids and not allow_empty:
             raise DataError(f"{source}: response tokenises to nothing")
         if add_eos:
             response_ids = [*response_ids, self.tokenizer.eos_token_id]

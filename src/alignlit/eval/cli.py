@@ -35,6 +35,23 @@ def load_sim(sim_dir: str | Path):
     return SimTask(**task_args), manifest
 
 
+def rm_selector(rm_dir: str):
+    """Scores for best-of-n selection by a reward model; an empty response is never selected."""
+    from alignlit.rollout.sampling import load_scorer
+
+    score = load_scorer(rm_dir)
+
+    def select(prompts, responses):
+        keep = [i for i, r in enumerate(responses) if r.strip()]
+        out = torch.full((len(responses),), float("-inf"), dtype=torch.float64)
+        if keep:
+            scores = score([prompts[i] for i in keep], [responses[i] for i in keep])
+            out[keep] = torch.as_tensor(scores, dtype=torch.float64)
+        return out.tolist()
+
+    return select
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignlit eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--sim", required=True, help="directory written by `alignlit sim make-data`")
@@ -79,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     if args.untrained:
         candidates.insert(0, ("untrained", TinyLlama(tokenizer=args.untrained)))
 
+    select_fn = None if args.select == "gold" else rm_selector(args.select)
     results: list[EvalResult] = []
     for name, source in candidates:
         policy, tokenizer = load_policy(source)
@@ -101,7 +119,16 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
             )
         for n in args.best_of:
             results.append(
-                best_of_n(policy, tokenizer, prompts, task.gold_rewards, n=n, sampling=sampling, **common)
+                best_of_n(
+                    policy,
+                    tokenizer,
+                    prompts,
+                    task.gold_rewards,
+                    n=n,
+                    sampling=sampling,
+                    select_fn=select_fn,
+                    **common,
+                )
             )
     print(format_table(results))
     demos = manifest["stats"]["sft"]["train"]

@@ -118,11 +118,12 @@ def best_of_n(
         else torch.tensor(list(select_fn(rollout.prompts, rollout.texts)), dtype=torch.float64).view(-1, n)
     )
     best = select.argmax(-1)  # (B,)
+    mode = f"best-of-{n}" + ("" if select_fn is None else " (RM)")
     kept = gold.gather(-1, best[:, None]).squeeze(-1)
     lengths = rollout.response_lengths.view(-1, n).gather(-1, best[:, None]).squeeze(-1).float()
     mean, stderr = _stats(kept)
     kl = float(torch.log(torch.tensor(float(n))) - (n - 1) / n)
-    return EvalResult(name, f"best-of-{n}", mean, stderr, lengths.mean().item(), kl, len(rollout))
+    return EvalResult(name, mode, mean, stderr, lengths.mean().item(), kl, len(rollout))
 
 
 def format_table(results: Sequence[EvalResult]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,27 @@ import torch
 from alignlit.models.export import export_pretrained
 
 
-def warmup_cosine(optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1):
+def warmup_cosine(
+    optimizer, *, warmup_steps: int, total_steps: int | Callable[[], int], min_lr_ratio: float = 0.1
+):
     """Linear warmup to the base LR over ``warmup_steps``, then cosine decay to ``min_lr_ratio``
-    times the base LR at ``total_steps`` (a LambdaLR stepped every optimizer step)."""
+    times the base LR at ``total_steps`` (a LambdaLR stepped every optimizer step).
+
+    ``total_steps`` may be a callable, asked only once warmup is over: pass
+    ``lambda: trainer.estimated_stepping_batches`` from ``configure_optimizers``. Reading that
+    property there makes Lightning load the training data before a checkpoint is restored, after
+    which it never restores the loader's position, and resuming mid-epoch is no longer exact.
+    """
+    total: list[int] = []
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if step == warmup_steps:
+            return 1.0
+        if not total:
+            total.append(int(total_steps() if callable(total_steps) else total_steps))
+        progress = min(1.0, (step - warmup_steps) / max(1, total[0] - warmup_steps))
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -33,7 +47,7 @@ def adamw_with_schedule(
     weight_decay: float,
     betas: tuple[float, float],
     warmup_steps: int,
-    total_steps: int,
+    total_steps: int | Callable[[], int],
     min_lr_ratio: float,
 ):
     """AdamW plus :func:`warmup_cosine`, as the dict Lightning's ``configure_optimizers`` returns."""
