@@ -87,11 +87,13 @@ class RewardModel:
 
     @torch.no_grad()
     def score(self, prompts: Sequence[str | list[dict]], responses: Sequence[str]) -> torch.Tensor:
-        """(N,) float32 reward of each ``(prompt, response)``, on the CPU."""
+        """(N,) float32 reward of each ``(prompt, response)``, on the CPU. An empty response (a policy
+        sample that ended at once) is scored as the prompt followed by the end token."""
         n = _check_lengths(prompts=prompts, responses=responses)
         ids = []
         for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            enc = self.encoder.encode(render_prompt(p, self.tokenizer, f"prompt {i}"), r, f"pair {i}")
+            prompt = render_prompt(p, self.tokenizer, f"prompt {i}")
+            enc = self.encoder.encode(prompt, r, f"pair {i}", allow_empty=True)
             ids.append(enc.input_ids)
         order = sorted(range(n), key=lambda i: -len(ids[i]))
         out = torch.empty(n, dtype=torch.float32)

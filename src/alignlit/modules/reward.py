@@ -223,6 +223,6 @@ class RewardModule(AlignModule):
             weight_decay=hp.weight_decay,
             betas=tuple(hp.betas),
             warmup_steps=hp.warmup_steps,
-            total_steps=int(self.trainer.estimated_stepping_batches),
+            total_steps=lambda: self.trainer.estimated_stepping_batches,
             min_lr_ratio=hp.min_lr_ratio,
         )
