@@ -248,9 +248,10 @@ class PairEncoder:
     def counts(self):
         return self.truncation.counts
 
-    def encode(self, prompt: str, response: str, source: str) -> Encoded | None:
-        """``None`` when the overflow policy drops the pair."""
-        enc = self.truncation.encode(prompt, response, source, add_eos=self.add_eos)
+    def encode(self, prompt: str, response: str, source: str, *, allow_empty: bool = False) -> Encoded | None:
+        """``None`` when the overflow policy drops the pair. ``allow_empty`` scores an empty response
+        (a sample that ended at once) as the prompt followed by the end token."""
+        enc = self.truncation.encode(prompt, response, source, add_eos=self.add_eos, allow_empty=allow_empty)
         if enc is None:
             return None
         return Encoded(self.prefix + enc.input_ids + self.suffix, len(self.prefix) + enc.prompt_length)
