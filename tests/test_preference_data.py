@@ -249,6 +249,28 @@ def test_collate_stacks_chosen_then_rejected():
     )
 
 
+def test_epoch_grouped_batches_change_with_the_epoch_and_resume(tmp_path, tokenizer_dir):
+    rows = [{"prompt": f"p{i}", "chosen": " a" * (i % 9 + 1), "rejected": " b"} for i in range(40)]
+    dm = PreferenceDataModule(
+        write_jsonl(tmp_path / "p.jsonl", rows), tokenizer=str(tokenizer_dir), val_fraction=0.0,
+        max_length=32, max_prompt_length=16, batch_size=4, group_by_length=True,
+    )  # fmt: skip
+    dm.setup()
+
+    def epoch(loader, e):
+        loader.sampler.set_epoch(e)
+        return [tuple(b.prompts) for b in loader]
+
+    loader = dm.train_dataloader()
+    e0, e1 = epoch(loader, 0), epoch(loader, 1)
+    assert len(e0) == len(e1) == 10 and set(e0) != set(e1)  # new batches, not only a new order
+    assert sorted(p for b in e1 for p in b) == sorted(r["prompt"] for r in rows)
+    # a fresh loader resumed after 3 batches of epoch 1 continues with batch 4 of epoch 1
+    resumed = dm.train_dataloader()
+    resumed.load_state_dict({"epoch": 1, "batches": 3})
+    assert [tuple(b.prompts) for b in resumed] == e1[3:]
+
+
 def test_length_grouped_batches_cover_everything_once_and_cut_padding():
     lengths = [(i * 37) % 50 + 1 for i in range(100)]
     batches = length_grouped_batches(lengths, 10, seed=0, chunk_batches=10)

@@ -356,6 +356,31 @@ def length_grouped_batches(
     return batches
 
 
+class EpochGroupedBatches(torch.utils.data.Dataset):
+    """Batches of similar length (:func:`length_grouped_batches`), re-formed every epoch.
+
+    Item ``i`` is the ``i``-th batch (a list of examples) of the epoch that the attached
+    :class:`~alignlit.data.ResumableSampler` is in (grouping seed ``seed + epoch``), so a resumed
+    run rebuilds the same batches. The number of batches is the same in every epoch.
+    """
+
+    def __init__(self, examples: list[PairExample], batch_size: int, *, seed: int, regroup: bool = True):
+        self.examples, self.batch_size, self.seed, self.regroup = examples, batch_size, seed, regroup
+        self.lengths = [e.length for e in examples]
+        self.sampler = None
+        self._epoch, self._groups = 0, length_grouped_batches(self.lengths, batch_size, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, i: int) -> list[PairExample]:
+        epoch = self.sampler.epoch if self.sampler is not None and self.regroup else 0
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._groups = length_grouped_batches(self.lengths, self.batch_size, seed=self.seed + epoch)
+        return [self.examples[j] for j in self._groups[i]]
+
+
 class PreferenceDataModule(L.LightningDataModule):
     """Preference pairs for reward models, pairwise preference models and DPO.
 
@@ -390,7 +415,7 @@ class PreferenceDataModule(L.LightningDataModule):
         length_bucket_edges: lower bounds of the buckets of ``|len(y_w) - len(y_l)|`` in tokens.
         ranked_margin: for ranked records use the score difference as the Bradley-Terry margin.
         group_by_length: batch pairs of similar length together (less padding, faster); the
-            batches are formed once (seeded) and shuffled every epoch.
+            batches are re-formed (seeded) and shuffled every epoch.
         pad_to_multiple_of: round the padded width of a batch up to a multiple of this. Fewer
             distinct shapes: on CPU the allocator then reuses memory instead of fragmenting it
             (with variable widths, peak memory grows over training); on GPUs tensor cores like it.
@@ -532,9 +557,8 @@ class PreferenceDataModule(L.LightningDataModule):
     def _loader(self, data: list[PairExample], batch_size: int, shuffle: bool):
         pad_id, multiple = self.tokenizer.pad_token_id, self.hparams.pad_to_multiple_of
         if self.hparams.group_by_length:
-            groups = length_grouped_batches([e.length for e in data], batch_size, seed=self.hparams.seed)
-            batches = [[data[i] for i in g] for g in groups]
-            return make_loader(
+            batches = EpochGroupedBatches(data, batch_size, seed=self.hparams.seed, regroup=shuffle)
+            loader = make_loader(
                 batches,
                 batch_size=1,
                 shuffle=shuffle,
@@ -543,6 +567,8 @@ class PreferenceDataModule(L.LightningDataModule):
                 trainer=self.trainer,
                 num_workers=self.hparams.num_workers,
             )
+            batches.sampler = loader.sampler
+            return loader
         return make_loader(
             data,
             batch_size=batch_size,
