@@ -12,9 +12,9 @@ import torch
 
 from alignlit.data.encoding import Encoded, Overflow, Truncation, pad_right
 from alignlit.data.pairs_from_rm import RankedGroup
-from alignlit.data.records import DataError, read_records
+from alignlit.data.records import DataError
 from alignlit.data.sampler import make_loader
-from alignlit.data.sft import resolve_tokenizer, split_indices
+from alignlit.data.sft import read_split, resolve_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -160,14 +160,13 @@ class RankingDataModule(L.LightningDataModule):
             max_prompt_length=hp.max_prompt_length,
             overflow=hp.overflow,
         )
-        records = read_records(hp.train_file)
-        if hp.max_examples is not None:
-            records = records[: hp.max_examples]
-        if hp.val_file is not None:
-            train_recs, val_recs = records, read_records(hp.val_file)
-        else:
-            tr, va = split_indices(len(records), hp.val_fraction, hp.seed)
-            train_recs, val_recs = [records[i] for i in tr], [records[i] for i in va]
+        train_recs, val_recs = read_split(
+            hp.train_file,
+            hp.val_file,
+            val_fraction=hp.val_fraction,
+            seed=hp.seed,
+            max_examples=hp.max_examples,
+        )
         train_groups = [RankedGroup.from_record(r) for r in train_recs]
         val_groups = [RankedGroup.from_record(r) for r in val_recs]
         k = hp.num_responses or max((len(g.responses) for g in train_groups), default=0)

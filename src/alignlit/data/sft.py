@@ -24,6 +24,20 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+def read_split(
+    train_file: str, val_file: str | None, *, val_fraction: float, seed: int, max_examples: int | None = None
+) -> tuple[list, list]:
+    """(train, val) records: ``val_file`` if given, else a seeded ``val_fraction`` of ``train_file``
+    (after keeping its first ``max_examples`` records)."""
+    records = read_records(train_file)
+    if max_examples is not None:
+        records = records[:max_examples]
+    if val_file is not None:
+        return records, read_records(val_file)
+    tr, va = split_indices(len(records), val_fraction, seed)
+    return [records[i] for i in tr], [records[i] for i in va]
+
+
 def resolve_tokenizer(datamodule: L.LightningDataModule, path: str | None):
     """The DataModule's tokenizer: from ``path`` if given, else the attached module's ``tokenizer``."""
     if path is not None:
@@ -105,14 +119,13 @@ class SFTDataModule(L.LightningDataModule):
             max_prompt_length=hp.max_prompt_length,
             overflow=hp.overflow,
         )
-        records = read_records(hp.train_file)
-        if hp.max_examples is not None:
-            records = records[: hp.max_examples]
-        if hp.val_file is not None:
-            train_recs, val_recs = records, read_records(hp.val_file)
-        else:
-            tr, va = split_indices(len(records), hp.val_fraction, hp.seed)
-            train_recs, val_recs = [records[i] for i in tr], [records[i] for i in va]
+        train_recs, val_recs = read_split(
+            hp.train_file,
+            hp.val_file,
+            val_fraction=hp.val_fraction,
+            seed=hp.seed,
+            max_examples=hp.max_examples,
+        )
         self.train_set = self._encode(train_recs, trunc)
         self.val_set = self._encode(val_recs, trunc)
         if not self.train_set:
@@ -184,17 +197,15 @@ class PromptDataModule(L.LightningDataModule):
         if self.train_prompts:
             return
         hp = self.hparams
-        records = read_records(hp.train_file)
-        if hp.max_examples is not None:
-            records = records[: hp.max_examples]
-        prompts = [parse_prompt(r) for r in records]
-        if hp.val_file is not None:
-            self.train_prompts = prompts
-            self.val_prompts = [parse_prompt(r) for r in read_records(hp.val_file)]
-        else:
-            tr, va = split_indices(len(prompts), hp.val_fraction, hp.seed)
-            self.train_prompts = [prompts[i] for i in tr]
-            self.val_prompts = [prompts[i] for i in va]
+        train_recs, val_recs = read_split(
+            hp.train_file,
+            hp.val_file,
+            val_fraction=hp.val_fraction,
+            seed=hp.seed,
+            max_examples=hp.max_examples,
+        )
+        self.train_prompts = [parse_prompt(r) for r in train_recs]
+        self.val_prompts = [parse_prompt(r) for r in val_recs]
         if not self.train_prompts:
             raise ValueError(f"{hp.train_file}: no prompts")
 

@@ -127,6 +127,21 @@ class AlignModule(L.LightningModule):
             state_dict=state_dict,
         )
 
+    def configure_adamw(self, params):
+        """AdamW with warmup + cosine (:func:`adamw_with_schedule`) from the stage's ``lr``,
+        ``weight_decay``, ``betas``, ``warmup_steps`` and ``min_lr_ratio`` hyperparameters, over the
+        run's length as Lightning estimates it."""
+        hp = self.hparams
+        return adamw_with_schedule(
+            params,
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            betas=tuple(hp.betas),
+            warmup_steps=hp.warmup_steps,
+            total_steps=lambda: self.trainer.estimated_stepping_batches,
+            min_lr_ratio=hp.min_lr_ratio,
+        )
+
     def parallel_models(self) -> list[torch.nn.Module]:
         """The models :meth:`configure_model` shards under ``ModelParallelStrategy`` (default: the
         exported one). Stages with several trained models (PPO: policy and critic) list them all."""

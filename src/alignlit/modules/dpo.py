@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric
 from alignlit.losses import dpo_loss, ipo_loss, rpo_sft_term, shift_for_next_token
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.base import AlignModule, check_finite
 from alignlit.ops.logprobs import gather_logprobs
 
 log = logging.getLogger(__name__)
@@ -421,16 +421,7 @@ class DPOModule(AlignModule):
             self.log(label, self.val_metrics[name], prog_bar=name in ("loss", "accuracy"), batch_size=size)
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_with_schedule(
-            self.policy.parameters(),
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+        return self.configure_adamw(self.policy.parameters())
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,7 +11,7 @@ from alignlit.losses.preference import ab_order_averaged_probability, ab_prefere
 from alignlit.models.loading import load_policy
 from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits, resolve_model_path
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.base import AlignModule, check_finite
 
 
 class PairwisePrefModule(AlignModule):
@@ -150,13 +150,4 @@ class PairwisePrefModule(AlignModule):
         self.log("val/prob_chosen", self.val_prob, batch_size=n)
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_with_schedule(
-            self.policy.parameters(),
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+        return self.configure_adamw(self.policy.parameters())

@@ -14,7 +14,7 @@ from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.loading import last_token_index, load_scalar_model
 from alignlit.models.reward import resolve_model_path
-from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.base import AlignModule, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -216,13 +216,4 @@ class RewardModule(AlignModule):
         return path
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_with_schedule(
-            [p for p in self.parameters() if p.requires_grad],
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+        return self.configure_adamw([p for p in self.parameters() if p.requires_grad])

@@ -9,7 +9,7 @@ from alignlit.data.ranking import RankingBatch
 from alignlit.losses import rrhf_loss
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.base import AlignModule, check_finite
 from alignlit.modules.dpo import token_logprobs
 
 
@@ -107,13 +107,4 @@ class RRHFModule(AlignModule):
         self.log("val/ranking_accuracy", self.val_accuracy, batch_size=len(batch))
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_with_schedule(
-            self.policy.parameters(),
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+        return self.configure_adamw(self.policy.parameters())

@@ -9,7 +9,7 @@ from alignlit.data.encoding import LMBatch
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, adamw_with_schedule, check_finite
+from alignlit.modules.base import AlignModule, check_finite
 
 
 class SFTModule(AlignModule):
@@ -72,13 +72,4 @@ class SFTModule(AlignModule):
         self.log("val/ppl", torch.exp(self.val_nll.compute()), sync_dist=True)
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_with_schedule(
-            self.policy.parameters(),
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+        return self.configure_adamw(self.policy.parameters())
