@@ -28,13 +28,17 @@ from tests.conftest import TINY
 
 pytestmark = pytest.mark.vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-        raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
-    pytest.skip(
-        "vllm is not installed (install the vllm extra, see .ci/install-vllm.sh; `nox -s vllm` runs these)",
-        allow_module_level=True,
-    )
+
+@pytest.fixture(autouse=True, scope="module")
+def _need_vllm():
+    """Skip (with the reason) only tests that were selected: ``-m "not vllm"`` deselects them first."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
+            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
+        pytest.skip(
+            "vllm is not installed (install the vllm extra, see .ci/install-vllm.sh; `nox -s vllm` runs these)"
+        )
+
 
 PROMPTS = [
     "\n\nHuman: sort a b c\n\nAssistant:",
