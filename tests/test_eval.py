@@ -57,3 +57,23 @@ def test_best_of_n_keeps_the_selected_response(policy):
     assert picked.gold == pytest.approx(lengths.min(-1).values.mean().item())
     assert picked.mode == "best-of-4 (RM)" and oracle.mode == "best-of-4"
     assert oracle.kl_to_reference == pytest.approx(math.log(4) - 3 / 4)
+
+
+def test_reward_model_scores_an_empty_sample_as_prompt_then_eos(tmp_path, tiny_policy_dir, tokenizer):
+    """A policy sample that ends at once is scored (as prompt + EOS), never an error; the eval selector
+    never picks it."""
+    from alignlit.eval.cli import rm_selector
+    from alignlit.models import export_pretrained, load_reward_model, load_scalar_model
+
+    rm, tok = load_scalar_model(tiny_policy_dir)
+    export_pretrained(rm, tok, tmp_path / "rm", stage="reward")
+    scorer = load_reward_model(tmp_path / "rm")
+    prompt = PROMPTS[0]
+    scores = scorer.score([prompt, prompt], ["", " a c"])
+    ids = [*tokenizer(prompt, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    with torch.no_grad():
+        expected = rm(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    assert scores[0].item() == pytest.approx(expected.item(), abs=1e-5)
+    select = rm_selector(str(tmp_path / "rm"))
+    picked = select([prompt, prompt], ["", " a c"])
+    assert picked[0] == float("-inf") and picked[1] == pytest.approx(scores[1].item(), abs=1e-5)
