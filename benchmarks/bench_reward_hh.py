@@ -272,6 +272,9 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=0, help="token limit (0: the config's)")
     p.add_argument("--batch-size", type=int, default=0, help="pairs per batch (0: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-grouping", action="store_true", help="ablation: alignlit without length-grouped batches"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads per side")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when a GPU is present")
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
