@@ -77,3 +77,28 @@ def test_reward_model_scores_an_empty_sample_as_prompt_then_eos(tmp_path, tiny_p
     select = rm_selector(str(tmp_path / "rm"))
     picked = select([prompt, prompt], ["", " a c"])
     assert picked[0] == float("-inf") and picked[1] == pytest.approx(scores[1].item(), abs=1e-5)
+
+
+def test_eval_command_line_parses_every_option():
+    from alignlit.eval.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "--sim",
+            "d",
+            "--policy",
+            "a",
+            "b",
+            "--name",
+            "A",
+            "B",
+            "--best-of",
+            "4",
+            "16",
+            "--select",
+            "rm",
+            "--greedy",
+        ]
+    )
+    assert args.select == "rm" and args.best_of == [4, 16] and args.greedy
+    assert build_parser().parse_args(["--sim", "d"]).select == "gold"

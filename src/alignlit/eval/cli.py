@@ -66,8 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
     p.add_argument("--greedy", action="store_true", help="also evaluate greedy decoding")
+    p.add_argument("--best-of", type=int, nargs="*", default=[], help="best-of-n rows")
     p.add_argument(
-        "--best-of", type=int, nargs="*", default=[], help="best-of-n rows (oracle selection by gold)"
+        "--select",
+        default="gold",
+        help="who picks the best of n: 'gold' (oracle) or a reward-model directory (default: gold)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
