@@ -53,6 +53,8 @@ def load_config(args) -> tuple[dict, dict, dict]:
         max_length=args.max_length or data["max_length"], batch_size=args.batch_size or data["batch_size"]
     )
     data["max_prompt_length"] = min(data["max_prompt_length"], data["max_length"] // 2)
+    if args.no_grouping:
+        data["group_by_length"] = False
     trainer = dict(cfg["trainer"])
     trainer["max_epochs"] = args.epochs or trainer["max_epochs"]
     return trainer, model, data
