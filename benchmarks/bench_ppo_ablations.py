@@ -69,7 +69,7 @@ def run_arm(name: str, args) -> dict:
     work = Path(args.out) / name
     reward = (
         [
-            "--model.init_args.reward_model.class_path=alignlit.rollout.SimGoldReward",
+            "--model.init_args.reward_model.class_path=alignlit.sim.SimGoldReward",
             f"--model.init_args.reward_model.init_args.sim_dir={args.sim}",
         ]
         if args.reward_model == "gold"
@@ -190,9 +190,9 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from alignlit.data import parse_prompt, read_records
-    from alignlit.eval.cli import load_sim
     from alignlit.eval.plots import PPO_PANELS, plot_curves
     from alignlit.models import load_policy
+    from alignlit.sim import load_sim
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from alignlit.data import parse_prompt, read_records
-from alignlit.eval.cli import load_sim
 from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table
 from alignlit.models import load_policy
 from alignlit.rollout import SamplingParams
+from alignlit.sim import load_sim
 
 QUICKSTART = Path("out/quickstart")
 DEFAULT_POLICIES = {name: str(QUICKSTART / name) for name in ("dpo", "rrhf", "ppo")}

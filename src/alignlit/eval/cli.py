@@ -18,21 +18,7 @@ import torch
 from alignlit.data.records import parse_prompt, read_records
 from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table
 from alignlit.rollout.base import SamplingParams
-
-
-def load_sim(sim_dir: str | Path):
-    """The :class:`~alignlit.sim.SimTask` and manifest of a ``alignlit sim make-data`` directory."""
-    from alignlit.sim import SimTask
-
-    manifest_path = Path(sim_dir) / "manifest.json"
-    if not manifest_path.exists():
-        raise FileNotFoundError(
-            f"{manifest_path} not found: run `alignlit sim make-data --out {sim_dir}` first"
-        )
-    manifest = json.loads(manifest_path.read_text())
-    task_args = dict(manifest["task"])
-    task_args["ops"] = tuple(task_args["ops"])
-    return SimTask(**task_args), manifest
+from alignlit.sim import load_sim
 
 
 def rm_selector(rm_dir: str):

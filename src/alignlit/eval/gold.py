@@ -7,7 +7,7 @@ reward model's ``score``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -15,8 +15,7 @@ import torch
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.logprobs import response_logprobs
-
-RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+from alignlit.rollout.reward import RewardFn
 
 
 @dataclass

@@ -43,8 +43,9 @@ from alignlit.ops import (
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.logprobs import position_ids_from_mask, response_logprobs
-from alignlit.rollout.loop import Reward, RewardFn, RolloutLoop, score_rollout
+from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
+from alignlit.rollout.reward import Reward, RewardFn, score_rollout
 
 RewardNorm = Literal["none", "normalize", "scale"]
 AdvantageNorm = Literal["none", "batch", "minibatch"]
@@ -197,7 +198,7 @@ class PPOModule(AlignModule):
         reward_model: a reward-model directory (``load_reward_model``: frozen, scores the response
             texts encoded as in its training) or any reward object/callable (``score_rollout(rollout)``,
             ``score(prompts, responses)`` or ``(prompts, responses) -> rewards``, e.g.
-            :class:`~alignlit.rollout.SimGoldReward`).
+            :class:`~alignlit.sim.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: ``policy``).
         critic: scalar-model directory the critic starts from (default: ``reward_model`` when it is
             a directory, else ``policy`` with a fresh head). Must share the policy's tokenizer.

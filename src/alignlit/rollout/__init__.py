@@ -22,25 +22,30 @@ __all__ = [
     "response_logprobs",
 ]
 
-from alignlit.rollout.loop import (
-    Experience,
-    RewardModel,
-    RolloutLoop,
-    RolloutScorer,
-    SimGoldReward,
-    score_rollout,
-)
+from alignlit.rollout.loop import Experience, RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter, reward_variance
+from alignlit.rollout.reward import (
+    Reward,
+    RewardFn,
+    RewardModel,
+    RolloutScorer,
+    resolve_reward,
+    score_rollout,
+    score_texts,
+)
 
 __all__ += [
     "Experience",
     "PromptFilter",
+    "Reward",
+    "RewardFn",
     "RewardModel",
     "RolloutLoop",
     "RolloutScorer",
-    "SimGoldReward",
+    "resolve_reward",
     "reward_variance",
     "score_rollout",
+    "score_texts",
 ]
 
 from alignlit.rollout.sampling import Scorer, load_scorer, sample_ranked  # noqa: E402

@@ -17,87 +17,17 @@ to the stage. Switching engines is one config key, ``engine: hf | vllm``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 
 from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.parity import check_parity
-
-
-@runtime_checkable
-class RewardModel(Protocol):
-    """Anything with ``score(prompts, responses) -> (N,) rewards`` (a trained reward model)."""
-
-    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class RolloutScorer(Protocol):
-    """Anything that scores a rollout from its token ids, ``score_rollout(rollout) -> (N,) rewards``."""
-
-    def score_rollout(self, rollout: Rollout) -> torch.Tensor: ...
-
-
-RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
-"""A reward callable ``(prompts, responses) -> (N,) rewards`` (a list of floats or a (N,) tensor), e.g.
-``SimTask.gold_rewards``. In a config: ``class_path`` of a callable class such as :class:`SimGoldReward`."""
-
-Reward = RolloutScorer | RewardModel | RewardFn
-
-
-def score_rollout(reward: Reward, rollout: Rollout) -> torch.Tensor:
-    """Score every sample of ``rollout`` as a (N,) float32 CPU tensor.
-
-    ``reward`` is tried as ``reward.score_rollout(rollout)`` (token ids), then
-    ``reward.score(prompts, texts)``, then ``reward(prompts, texts)``. Raises ``ValueError`` when it
-    does not return one finite number per sample.
-    """
-    if isinstance(reward, RolloutScorer):
-        out = reward.score_rollout(rollout)
-    elif isinstance(reward, RewardModel):
-        out = reward.score(list(rollout.prompts), list(rollout.texts))
-    elif callable(reward):
-        out = reward(list(rollout.prompts), list(rollout.texts))
-    else:
-        raise TypeError(
-            "reward must have .score_rollout(rollout) or .score(prompts, responses), or be callable "
-            f"(prompts, responses) -> rewards; got {type(reward).__name__}"
-        )
-    rewards = torch.as_tensor(out.detach() if torch.is_tensor(out) else out, dtype=torch.float32).cpu()
-    if rewards.shape != (len(rollout),):
-        raise ValueError(
-            f"reward returned shape {tuple(rewards.shape)} for {len(rollout)} responses; expected "
-            f"({len(rollout)},), one score per response"
-        )
-    if not torch.isfinite(rewards).all():
-        bad = (~torch.isfinite(rewards)).nonzero().flatten()[:3].tolist()
-        raise ValueError(
-            f"reward returned non-finite scores at rows {bad}, e.g. prompt {rollout.prompts[bad[0]]!r} / "
-            f"response {rollout.texts[bad[0]]!r}"
-        )
-    return rewards
-
-
-class SimGoldReward:
-    """The simulated task's gold reward as a reward callable (for ``reward_model`` or evaluation).
-
-    Args:
-        sim_dir: directory written by ``alignlit sim make-data`` (its ``manifest.json`` defines the task).
-    """
-
-    def __init__(self, sim_dir: str):
-        from alignlit.eval.cli import load_sim
-
-        self.sim_dir = sim_dir
-        self.task, _ = load_sim(sim_dir)
-
-    def __call__(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
-        return torch.tensor(self.task.gold_rewards(list(prompts), list(responses)), dtype=torch.float32)
+from alignlit.rollout.reward import Reward, score_rollout
 
 
 @dataclass

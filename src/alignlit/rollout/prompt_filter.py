@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from alignlit.rollout.base import RolloutEngine, SamplingParams
-from alignlit.rollout.loop import Reward, score_rollout
+from alignlit.rollout.reward import Reward, score_rollout
 
 
 def reward_variance(

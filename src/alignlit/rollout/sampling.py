@@ -42,7 +42,7 @@ def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 6
             raise ValueError(
                 "--scorer gold needs --sim DIR (the directory written by `alignlit sim make-data`)"
             )
-        from alignlit.eval.cli import load_sim
+        from alignlit.sim import load_sim
 
         task, _ = load_sim(sim)
         return task.gold_rewards

@@ -1,11 +1,13 @@
 """Simulated human feedback: a task with a gold reward, noisy demonstrations and length-biased annotators.
 
 See ``SimTask`` (prompts, ideal answers, gold reward, demonstrations), ``Annotator`` (simulated
-preference labels) and ``make_data`` (JSONL files in the formats real data uses).
+preference labels), ``make_data`` (JSONL files in the formats real data uses), ``load_sim`` and
+``SimGoldReward`` (the gold reward of a written data directory as a reward callable).
 """
 
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.data import make_data
+from alignlit.sim.reward import SimGoldReward, load_sim
 from alignlit.sim.task import SimTask
 
-__all__ = ["Annotator", "SimTask", "make_data"]
+__all__ = ["Annotator", "SimGoldReward", "SimTask", "load_sim", "make_data"]
