@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from alignlit.models.forward import response_logprobs
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.logprobs import response_logprobs
 from alignlit.rollout.reward import RewardFn
 
 

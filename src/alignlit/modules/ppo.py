@@ -42,7 +42,7 @@ from alignlit.ops import (
 )
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.logprobs import position_ids_from_mask, response_logprobs
+from alignlit.models.forward import position_ids_from_mask, response_logprobs
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
 from alignlit.rollout.reward import Reward, RewardFn, score_rollout

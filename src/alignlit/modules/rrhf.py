@@ -7,10 +7,10 @@ from torchmetrics import MeanMetric
 
 from alignlit.data.ranking import RankingBatch
 from alignlit.losses import rrhf_loss
+from alignlit.models.forward import token_logprobs
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, check_finite
-from alignlit.modules.dpo import token_logprobs
 
 
 class RRHFModule(AlignModule):
@@ -76,13 +76,11 @@ class RRHFModule(AlignModule):
                 f"ranking batch has {batch.input_ids.shape[0]} sequences for rewards of shape "
                 f"{tuple(batch.rewards.shape)}; expected B*k = {num_prompts * k}"
             )
-        token_logps, mask = token_logprobs(
-            self.policy, batch.input_ids, batch.attention_mask, batch.loss_mask
-        )
-        width = token_logps.shape[-1]
+        scored = token_logprobs(self.policy, batch.input_ids, batch.attention_mask, batch.loss_mask)
+        width = scored.logprobs.shape[-1]
         return rrhf_loss(
-            token_logps.view(num_prompts, k, width),  # (B, k, T-1)
-            mask.view(num_prompts, k, width),
+            scored.logprobs.view(num_prompts, k, width),  # (B, k, T-1)
+            scored.mask.view(num_prompts, k, width),
             batch.rewards,
             rank_weight=self.hparams.rank_weight,
             sft_weight=self.hparams.sft_weight,

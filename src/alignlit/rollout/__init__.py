@@ -3,9 +3,9 @@
 ``VLLMEngine`` imports vLLM only when built, so this package imports without the vllm extra.
 """
 
+from alignlit.models.forward import position_ids_from_mask, response_logprobs
 from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.logprobs import position_ids_from_mask, response_logprobs
 from alignlit.rollout.parity import ParityError, check_parity, logprob_parity
 from alignlit.rollout.vllm_engine import VLLMEngine
 

@@ -1,7 +1,7 @@
 """Check that an engine's log-probs are the trainer's: a stale or mis-loaded engine fails loudly.
 
 The engine reports ``log π(y_t | x, y_<t)`` for the tokens it sampled; the trainer recomputes them
-with a teacher-forced forward pass (:func:`~alignlit.rollout.logprobs.response_logprobs`). When the
+with a teacher-forced forward pass (:func:`~alignlit.models.forward.response_logprobs`). When the
 engine generates with the policy's current weights the two agree to float32 round-off (~1e-6 on
 the tiny test models); a missed ``sync``, wrong weight names or a different tokenization shows up
 as differences of order 0.1–1.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from alignlit.models.forward import response_logprobs
 from alignlit.rollout.base import Rollout
-from alignlit.rollout.logprobs import response_logprobs
 
 
 class ParityError(RuntimeError):

@@ -1,0 +1,65 @@
+"""Reward shaping for online stages: running-statistics normalisation, token-level KL penalty, and
+the value-function diagnostic (algorithms.md §4)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from alignlit.ops.stats import RunningMoments, masked_var
+
+RewardNorm = Literal["none", "normalize", "scale"]
+
+
+def normalize_scores(
+    scores: torch.Tensor, moments: RunningMoments, *, mode: RewardNorm, clip: float | None
+) -> torch.Tensor:
+    """PPO-max reward normalisation on running statistics: ``R̃ = clip((R - μ)/σ, -δ, δ)``.
+
+    ``mode``: ``"normalize"`` uses ``(R - μ)/σ``, ``"scale"`` ``R/σ``, ``"none"`` ``R``; ``μ, σ`` are
+    the running mean and standard deviation of ``moments`` (``σ = 1`` while it has < 2 values);
+    ``clip`` (``δ``) is applied to the result when given.
+    """
+    if mode not in ("none", "normalize", "scale"):
+        raise ValueError(f"reward_norm must be 'none', 'normalize' or 'scale', got {mode!r}")
+    out = scores
+    if mode != "none":
+        std = moments.std if moments.count >= 2 else 1.0
+        shift = moments.mean if mode == "normalize" and moments.count else 0.0
+        out = (scores - shift) / max(std, 1e-8)
+    if clip is not None:
+        out = out.clamp(-clip, clip)
+    return out
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *, kl_coef: float
+) -> torch.Tensor:
+    """Token rewards with a token-level KL penalty (PPO-max §5.3.2, ChatGLM eq. 4-5).
+
+    ``r_t = -β·kl_t`` on every response token, and the sequence reward ``R̃`` is added at the last
+    valid token: ``r_T += R̃``. Rows without a response token get no reward.
+
+    Args:
+        scores: (N,) sequence rewards ``R̃``.
+        kl: (N, T) per-token KL estimates.
+        mask: (N, T) 1 on response tokens (right-padded).
+        kl_coef: ``β``.
+
+    Returns:
+        (N, T) rewards, 0 at padding.
+    """
+    if scores.dim() != 1 or scores.shape[0] != kl.shape[0]:
+        raise ValueError(f"scores must have shape (N,) = ({kl.shape[0]},), got {tuple(scores.shape)}")
+    weights = mask.to(kl.dtype)  # (N, T)
+    rewards = -kl_coef * kl * weights
+    last = weights.sum(-1).long() - 1  # (N,)
+    rows = (last >= 0).nonzero().flatten()
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``1 - Var(G - V) / Var(G)`` over valid tokens: 1 for a perfect critic, 0 for a constant one."""
+    return 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp_min(1e-12)
