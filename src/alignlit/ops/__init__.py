@@ -1,5 +1,14 @@
-"""RL math on token tensors: masked statistics, GAE, log-probs, KL estimators and controllers."""
+"""RL math on token tensors: masked statistics, GAE, group advantages, log-probs, KL estimators and controllers,
+rollout/trainer mismatch and DAPO sample filters."""
 
+from alignlit.ops.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    group_advantages,
+    register_advantage,
+    reinforce_pp_returns,
+)
+from alignlit.ops.dapo import informative_groups, overlong_mask, overlong_penalty
 from alignlit.ops.gae import gae
 from alignlit.ops.kl import (
     AdaptiveKLController,
@@ -11,6 +20,7 @@ from alignlit.ops.kl import (
     kl_k3,
 )
 from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, sequence_logprobs
+from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
 from alignlit.ops.stats import (
     RunningMoments,
     check_ndim,
@@ -22,7 +32,9 @@ from alignlit.ops.stats import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "FixedKLController",
     "KLKind",
     "RunningMoments",
@@ -31,13 +43,21 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "gather_logprobs",
+    "group_advantages",
+    "informative_groups",
     "kl_estimate",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "logprob_mismatch",
     "masked_mean",
     "masked_sum",
     "masked_var",
+    "overlong_mask",
+    "overlong_penalty",
+    "register_advantage",
+    "reinforce_pp_returns",
     "sequence_logprobs",
+    "truncated_is_weights",
     "whiten",
 ]

@@ -1,0 +1,206 @@
+"""Critic-free advantage estimators over groups of samples (algorithms.md §10).
+
+A group is the ``n`` responses sampled for one prompt: ``rewards[i, j]`` is the sequence reward of
+prompt ``i``'s sample ``j``, shape (B, n), and every estimator returns one advantage per sample,
+shape (B, n), which the policy-gradient loss broadcasts over the sample's tokens. Estimators are
+small pure functions in :data:`ADVANTAGE_ESTIMATORS`, keyed by the name a config uses; research code
+adds one with :func:`register_advantage`. REINFORCE++ with its token-level KL penalty needs per-token
+inputs and is :func:`reinforce_pp_returns`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from alignlit.ops.gae import gae
+from alignlit.ops.stats import check_ndim, check_same_shape, whiten
+
+AdvantageEstimator = Callable[..., torch.Tensor]
+"""``fn(rewards (B, n), *, eps: float) -> advantages (B, n)``; ``rewards`` is finite and floating."""
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+"""Group advantage estimators by name (the value of ``estimator`` in :func:`group_advantages`)."""
+
+_PER_TOKEN_ESTIMATORS = {"reinforce_pp": "alignlit.ops.reinforce_pp_returns"}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator adding ``fn(rewards (B, n), *, eps) -> (B, n)`` to :data:`ADVANTAGE_ESTIMATORS` as ``name``.
+
+    Raises ``ValueError`` when ``name`` is already registered (a second estimator never silently
+    replaces the first).
+    """
+
+    def decorate(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if name in ADVANTAGE_ESTIMATORS or name in _PER_TOKEN_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return decorate
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, §4.1.2): ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + ε)``.
+
+    The standard deviation is the population one (divide by ``n``) over the group; a group whose
+    rewards are all equal gets advantages 0.
+    """
+    mean = rewards.mean(dim=1, keepdim=True)  # (B, 1)
+    std = rewards.std(dim=1, keepdim=True, unbiased=False)  # (B, 1)
+    return (rewards - mean) / (std + eps)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, §3.2): ``A_ij = r_ij - mean_j r_ij`` (no division by the group std)."""
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+@register_advantage("rloo")
+def rloo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, eq. 8): ``A_ij = r_ij - (1/(n-1))·Σ_{k≠j} r_ik`` (leave-one-out baseline).
+
+    Equal to ``n/(n-1)·(r_ij - mean_j r_ij)``; needs ``n ≥ 2``.
+    """
+    n = rewards.shape[1]
+    if n < 2:
+        raise ValueError(
+            f"rloo needs at least 2 samples per prompt (rewards of shape (B, n >= 2)), got n={n}"
+        )
+    leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)  # (B, n)
+    return rewards - leave_one_out
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025): ``c_ij = r_ij - mean_j r_ij``, ``A_ij = c_ij / (std(c) + ε)``.
+
+    The group mean removes the prompt's difficulty; the standard deviation is the population one
+    over all ``B·n`` centred values of the batch, so every group is scaled by the same number.
+    """
+    centred = rewards - rewards.mean(dim=1, keepdim=True)  # (B, n)
+    return centred / (centred.std(unbiased=False) + eps)
+
+
+def _as_float(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_floating_point():
+        return tensor
+    if tensor.is_complex():
+        raise ValueError(f"{name} must be real, got dtype {tensor.dtype}")
+    return tensor.to(torch.get_default_dtype())
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(
+            f"{name} must be finite; found {int(bad.sum())} non-finite value(s), the first at index "
+            f"{tuple(first)}: {tensor[tuple(first)].item()}"
+        )
+
+
+def group_advantages(
+    rewards: torch.Tensor, *, estimator: str | AdvantageEstimator, eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-sample advantages from the rewards of ``n`` samples per prompt (algorithms.md §10).
+
+    Args:
+        rewards: (B, n) sequence rewards, prompt ``i``'s samples in row ``i``; integer or boolean
+            rewards (e.g. 0/1 correctness) are converted to the default float dtype.
+        estimator: a name in :data:`ADVANTAGE_ESTIMATORS` (``"grpo"``, ``"dr_grpo"``, ``"rloo"``,
+            ``"reinforce_pp_baseline"``, or one added with :func:`register_advantage`), or such a
+            function itself.
+        eps: ``ε ≥ 0`` added to standard deviations before dividing.
+
+    Returns:
+        (B, n) advantages, same dtype as the (float) rewards.
+    """
+    check_ndim("rewards", rewards, 2, "(B, n)")
+    if rewards.shape[0] == 0 or rewards.shape[1] == 0:
+        raise ValueError(
+            f"rewards must hold at least one prompt and one sample, got shape {tuple(rewards.shape)}"
+        )
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    rewards = _as_float("rewards", rewards)
+    _check_finite("rewards", rewards)
+    if callable(estimator):
+        fn = estimator
+    elif estimator in ADVANTAGE_ESTIMATORS:
+        fn = ADVANTAGE_ESTIMATORS[estimator]
+    elif estimator in _PER_TOKEN_ESTIMATORS:
+        raise ValueError(
+            f"estimator {estimator!r} needs per-token KL and a token mask, not only (B, n) rewards; "
+            f"use {_PER_TOKEN_ESTIMATORS[estimator]}"
+        )
+    else:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)} "
+            "(or register one with alignlit.ops.register_advantage)"
+        )
+    advantages = fn(rewards, eps=eps)
+    if advantages.shape != rewards.shape:
+        raise ValueError(
+            f"advantage estimator {estimator!r} returned shape {tuple(advantages.shape)}, expected the "
+            f"shape of rewards {tuple(rewards.shape)}"
+        )
+    return advantages
+
+
+def reinforce_pp_returns(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ token advantages (Hu et al. 2025; algorithms.md §10): KL-shaped returns, whitened.
+
+    Token rewards ``r_t = -β·kl_t`` on every response token, plus the sequence reward ``R`` on the
+    last valid token; returns ``G_t = Σ_{s≥t} γ^{s-t}·r_s`` over the sample's valid tokens (no critic,
+    no bootstrapping); advantages are ``G`` whitened over all valid tokens of the batch,
+    ``(G - mean) / sqrt(var + 1e-8)`` with the unbiased variance (:func:`alignlit.ops.whiten`). The
+    returns are GAE with ``V ≡ 0`` and ``λ = 1``, so :func:`alignlit.ops.gae` computes them. A row
+    without valid tokens (no response token to carry its score) gets advantages 0 everywhere.
+
+    Args:
+        scores: (N,) sequence rewards ``R`` (e.g. the reward model's score, normalised or not).
+        kl: (N, T) per-token KL estimate between the policy and the reference on the sampled tokens
+            (e.g. ``alignlit.ops.kl_estimate(old_logprobs, ref_logprobs, "k1")``); ignored at padding.
+        mask: (N, T) 1 on response tokens; right-padded. At least 2 valid tokens in the batch.
+        kl_coef: ``β ≥ 0``.
+        gamma: discount ``γ ∈ [0, 1]``; REINFORCE++ uses 1.
+
+    Returns:
+        (N, T) advantages, 0 at padding. Call it on detached tensors.
+    """
+    check_ndim("kl", kl, 2, "(N, T)")
+    check_same_shape(kl=kl, mask=mask)
+    check_ndim("scores", scores, 1, "(N,)")
+    if scores.shape[0] != kl.shape[0]:
+        raise ValueError(f"scores has {scores.shape[0]} rows but kl has {kl.shape[0]}; they must be equal")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    valid = mask.bool()  # (N, T)
+    if int(valid.sum()) < 2:
+        raise ValueError(
+            f"mask has {int(valid.sum())} valid token(s); whitening the returns needs at least 2"
+        )
+    kl = _as_float("kl", kl)
+    scores = _as_float("scores", scores).to(kl.dtype)
+    _check_finite("scores", scores)
+    _check_finite("kl (at valid tokens)", torch.where(valid, kl, torch.zeros_like(kl)))
+    rewards = torch.where(valid, -kl_coef * kl, torch.zeros_like(kl))  # (N, T)
+    lengths = valid.sum(dim=1)  # (N,)
+    rows = torch.nonzero(lengths > 0).squeeze(1)  # (N',)
+    rewards = rewards.index_put((rows, lengths[rows] - 1), scores[rows], accumulate=True)
+    returns, _ = gae(rewards, torch.zeros_like(rewards), valid, gamma=gamma, lam=1.0)  # (N, T)
+    return whiten(returns, valid)
