@@ -2,6 +2,12 @@
 
 from alignlit.losses.dpo import dpo_loss, ipo_loss, rpo_sft_term
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
+from alignlit.losses.policy_gradient import (
+    LOSS_AGGREGATIONS,
+    LossAggregation,
+    policy_gradient_loss,
+    register_aggregation,
+)
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.losses.preference import (
     ab_order_averaged_probability,
@@ -14,6 +20,8 @@ from alignlit.losses.preference import (
 from alignlit.losses.rrhf import rrhf_loss
 
 __all__ = [
+    "LOSS_AGGREGATIONS",
+    "LossAggregation",
     "Reduction",
     "ab_order_averaged_probability",
     "ab_preference_loss",
@@ -23,8 +31,10 @@ __all__ = [
     "entropy_bonus",
     "ipo_loss",
     "masked_nll",
+    "policy_gradient_loss",
     "ppo_policy_loss",
     "ppo_value_loss",
+    "register_aggregation",
     "reward_model_loss",
     "rpo_sft_term",
     "rrhf_loss",
