@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from alignlit.ops.gae import gae
+from alignlit.ops.rewards import kl_penalized_rewards
 from alignlit.ops.stats import check_ndim, check_same_shape, whiten
 
 AdvantageEstimator = Callable[..., torch.Tensor]
@@ -166,8 +167,9 @@ def reinforce_pp_returns(
     last valid token; returns ``G_t = Σ_{s≥t} γ^{s-t}·r_s`` over the sample's valid tokens (no critic,
     no bootstrapping); advantages are ``G`` whitened over all valid tokens of the batch,
     ``(G - mean) / sqrt(var + 1e-8)`` with the unbiased variance (:func:`alignlit.ops.whiten`). The
-    returns are GAE with ``V ≡ 0`` and ``λ = 1``, so :func:`alignlit.ops.gae` computes them. A row
-    without valid tokens (no response token to carry its score) gets advantages 0 everywhere.
+    token rewards are PPO's (:func:`alignlit.ops.kl_penalized_rewards`) and the returns are GAE with
+    ``V ≡ 0`` and ``λ = 1``, so :func:`alignlit.ops.gae` computes them. A row without valid tokens
+    (no response token to carry its score) gets advantages 0 everywhere.
 
     Args:
         scores: (N,) sequence rewards ``R`` (e.g. the reward model's score, normalised or not).
@@ -197,10 +199,8 @@ def reinforce_pp_returns(
     kl = _as_float("kl", kl)
     scores = _as_float("scores", scores).to(kl.dtype)
     _check_finite("scores", scores)
-    _check_finite("kl (at valid tokens)", torch.where(valid, kl, torch.zeros_like(kl)))
-    rewards = torch.where(valid, -kl_coef * kl, torch.zeros_like(kl))  # (N, T)
-    lengths = valid.sum(dim=1)  # (N,)
-    rows = torch.nonzero(lengths > 0).squeeze(1)  # (N',)
-    rewards = rewards.index_put((rows, lengths[rows] - 1), scores[rows], accumulate=True)
+    kl = torch.where(valid, kl, torch.zeros_like(kl))  # (N, T), padding may hold anything
+    _check_finite("kl (at valid tokens)", kl)
+    rewards = kl_penalized_rewards(scores, kl, valid, kl_coef=kl_coef)  # (N, T)
     returns, _ = gae(rewards, torch.zeros_like(rewards), valid, gamma=gamma, lam=1.0)  # (N, T)
     return whiten(returns, valid)
