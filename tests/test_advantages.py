@@ -23,7 +23,8 @@ REWARDS = torch.tensor([[1.0, 2.0, 3.0, 6.0], [0.0, 0.0, 1.0, 1.0]], dtype=torch
 
 
 def test_grpo_by_hand():
-    """A = (r - mean)/std: row 0 (-2, -1, 0, 3)/√3.5 = (-1.069045, -0.534522, 0, 1.603567); row 1 (-1, -1, 1, 1)."""
+    """A = (r - mean)/std: row 0 (-2, -1, 0, 3)/√3.5 = (-1.069045, -0.534522, 0, 1.603567);
+    row 1 (-0.5, -0.5, 0.5, 0.5)/0.5 = (-1, -1, 1, 1)."""
     advantages = group_advantages(REWARDS, estimator="grpo", eps=0.0)
     expected = torch.tensor(
         [[-1.069045, -0.534522, 0.0, 1.603567], [-1.0, -1.0, 1.0, 1.0]], dtype=torch.float64
@@ -51,8 +52,9 @@ def test_dr_grpo_by_hand():
 
 
 def test_rloo_by_hand():
-    """Leave-one-out baselines, row 0: r_0 = 1 vs mean(2, 3, 6) = 11/3 -> -8/3; r_1 = 2 vs mean(1, 3, 6) = 10/3
-    -> -4/3; r_2 = 3 vs mean(1, 2, 6) = 3 -> 0; r_3 = 6 vs mean(1, 2, 3) = 2 -> 4.
+    """Leave-one-out baselines, row 0: r_0 = 1 vs mean(2, 3, 6) = 11/3 -> -8/3;
+    r_1 = 2 vs mean(1, 3, 6) = 10/3 -> -4/3; r_2 = 3 vs mean(1, 2, 6) = 3 -> 0;
+    r_3 = 6 vs mean(1, 2, 3) = 2 -> 4.
     Row 1: r = 0 vs mean(0, 1, 1) = 2/3 -> -2/3; r = 1 vs mean(0, 0, 1) = 1/3 -> 2/3.
     """
     advantages = group_advantages(REWARDS, estimator="rloo")

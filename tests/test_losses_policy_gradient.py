@@ -63,7 +63,8 @@ def test_seq_mean_token_sum_by_hand():
 
 
 def test_seq_mean_token_sum_norm_by_hand():
-    """seq_mean_token_sum_norm, L_max = 4: -1.43/(N·L_max) = -1.43/8 = -0.17875. Gradient (0, -0.5, -1.25)/8."""
+    """seq_mean_token_sum_norm, L_max = 4: -1.43/(N·L_max) = -1.43/8 = -0.17875.
+    Gradient (0, -0.5, -1.25 | 0)/8."""
     loss, _, grad = run("seq_mean_token_sum_norm", max_length=4)
     assert loss.item() == pytest.approx(-0.17875)
     torch.testing.assert_close(grad, grad_rows([0.0, -0.0625, -0.15625], [0.0, 0.0, 0.0]))
@@ -209,7 +210,8 @@ def test_entropy_bonus_by_hand():
 
 def test_importance_weights_by_hand():
     """w = (2, 0.5, 3 | 1): token losses (-2.56, -0.25, -3.75 | 1.6), token_mean -4.96/4 = -1.24;
-    is_weight_mean (2 + 0.5 + 3 + 1)/4 = 1.625; gradient w·(0, -0.5, -1.25 | 0)/4 = (0, -0.0625, -0.9375 | 0)."""
+    is_weight_mean (2 + 0.5 + 3 + 1)/4 = 1.625;
+    gradient w·(0, -0.5, -1.25 | 0)/4 = (0, -0.0625, -0.9375 | 0)."""
     weights = torch.tensor([[2.0, 0.5, 3.0], [1.0, 7.0, math.nan]], dtype=torch.float64)
     loss, metrics, grad = run(is_weights=weights)
     assert loss.item() == pytest.approx(-1.24)

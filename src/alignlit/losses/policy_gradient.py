@@ -22,7 +22,7 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {}
 
 
 def register_aggregation(name: str) -> Callable[[LossAggregation], LossAggregation]:
-    """Decorator adding ``fn(values, mask, *, max_length) -> scalar`` to :data:`LOSS_AGGREGATIONS` as ``name``.
+    """Decorator adding ``fn(values, mask, *, max_length) -> scalar`` to :data:`LOSS_AGGREGATIONS`.
 
     Raises ``ValueError`` when ``name`` is already registered.
     """
@@ -207,7 +207,7 @@ def policy_gradient_loss(
         raise ValueError("mask has no valid token; the policy-gradient loss is undefined on an empty batch")
 
     def on_valid(x: torch.Tensor) -> torch.Tensor:
-        """``x`` at valid tokens and 0 at padding, so nothing at padding (even NaN) reaches loss or gradient."""
+        """``x`` at valid tokens, 0 at padding: nothing at padding (even NaN) reaches loss or gradient."""
         return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     _check_finite_on("advantages", advantages, valid)

@@ -45,7 +45,7 @@ def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEst
 
 @register_advantage("grpo")
 def grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, §4.1.2): ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + ε)``.
+    """GRPO (Shao et al. 2024, DeepSeekMath): ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + ε)``.
 
     The standard deviation is the population one (divide by ``n``) over the group; a group whose
     rewards are all equal gets advantages 0.
@@ -57,14 +57,16 @@ def grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
 
 @register_advantage("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025, §3.2): ``A_ij = r_ij - mean_j r_ij`` (no division by the group std)."""
+    """Dr. GRPO (Liu et al. 2025): ``A_ij = r_ij - mean_j r_ij`` (no division by the group std)."""
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
 @register_advantage("rloo")
 def rloo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024, eq. 8): ``A_ij = r_ij - (1/(n-1))·Σ_{k≠j} r_ik`` (leave-one-out baseline).
+    """RLOO (Ahmadian et al. 2024): ``A_ij = r_ij - (1/(n-1))·Σ_{k≠j} r_ik``.
 
+    The baseline of each sample is the mean reward of the other samples of its prompt (the
+    leave-one-out baseline of Kool et al. 2019), so it does not depend on the sample itself.
     Equal to ``n/(n-1)·(r_ij - mean_j r_ij)``; needs ``n ≥ 2``.
     """
     n = rewards.shape[1]

@@ -65,7 +65,7 @@ def overlong_mask(truncated: torch.Tensor | Sequence[str]) -> torch.Tensor:
 def overlong_penalty(
     lengths: torch.Tensor, *, max_length: int, buffer: int, penalty: float = 1.0
 ) -> torch.Tensor:
-    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``, to add to the reward.
+    """DAPO soft overlong punishment (Yu et al. 2025, §3.4), scaled by ``penalty``, to add to the reward.
 
     With ``L = max_length`` and ``L_c = buffer``::
 
