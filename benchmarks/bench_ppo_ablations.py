@@ -37,7 +37,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "ppo-max": ("ppo.yaml", []),
     "vanilla": ("ppo-vanilla.yaml", []),
     "no-ref-baseline": ("ppo.yaml", ["--model.init_args.reference_baseline=false"]),
-    "no-sft-loss": ("ppo.yaml", ["--model.init_args.ptx_coef=0.0"]),
+    "no-sft-loss": ("ppo.yaml", ["--model.init_args.ptx.coef=0.0"]),
 }
 
 
@@ -69,11 +69,11 @@ def run_arm(name: str, args) -> dict:
     work = Path(args.out) / name
     reward = (
         [
-            "--model.init_args.reward_model.class_path=alignlit.sim.SimGoldReward",
-            f"--model.init_args.reward_model.init_args.sim_dir={args.sim}",
+            "--model.init_args.reward.class_path=alignlit.sim.SimGoldReward",
+            f"--model.init_args.reward.init_args.sim_dir={args.sim}",
         ]
         if args.reward_model == "gold"
-        else [f"--model.init_args.reward_model={args.reward_model}"]
+        else [f"--model.init_args.reward={args.reward_model}"]
     )
     start = time.perf_counter()
     alignlit_main(

@@ -112,12 +112,13 @@ def reference_train(model_args: dict, trainer_args: dict, train_set, pad_id: int
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).to(device)
     model.eval()  # dropout off, as in RewardModule (Hugging Face loads in eval mode; Lightning keeps it)
     params = [p for p in model.parameters() if p.requires_grad]
+    optim = model_args["optim"]
     opt = torch.optim.AdamW(
-        params, lr=model_args["lr"], betas=tuple(model_args["betas"]), weight_decay=model_args["weight_decay"]
+        params, lr=optim["lr"], betas=tuple(optim["betas"]), weight_decay=optim["weight_decay"]
     )
     batch_size, epochs = trainer_args["batch_size"], trainer_args["max_epochs"]
     total = epochs * math.ceil(len(train_set) / batch_size)
-    warmup, floor = model_args["warmup_steps"], model_args.get("min_lr_ratio", 0.1)
+    warmup, floor = optim["warmup_steps"], optim.get("min_lr_ratio", 0.1)
 
     def lr_factor(step: int) -> float:
         if step < warmup:
@@ -154,7 +155,7 @@ def reference_train(model_args: dict, trainer_args: dict, train_set, pad_id: int
 def alignlit_train(model_args: dict, trainer_args: dict, dm, seed: int, device):
     import lightning as L
 
-    from alignlit.modules import RewardModule
+    from alignlit.modules import Optim, RewardModule
 
     class Timer(L.Callback):
         def on_train_start(self, trainer, module):
@@ -167,7 +168,7 @@ def alignlit_train(model_args: dict, trainer_args: dict, dm, seed: int, device):
             self.seconds = time.perf_counter() - self.start
 
     L.seed_everything(seed, verbose=False)
-    module = RewardModule(**model_args)
+    module = RewardModule(**{**model_args, "optim": Optim(**model_args["optim"])})
     timer = Timer()
     quiet = dict(
         accelerator="gpu" if device.type == "cuda" else "cpu",

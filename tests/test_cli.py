@@ -32,7 +32,7 @@ def test_fit_help_documents_fields_from_docstrings():
 
 def test_config_error_names_key_and_expected_type():
     res = run_cli(
-        "fit", "--config", str(ROOT / "configs/quickstart/sft.yaml"), "--model.init_args.lr", "fast"
+        "fit", "--config", str(ROOT / "configs/quickstart/sft.yaml"), "--model.init_args.optim.lr", "fast"
     )
     assert res.returncode != 0
     assert "lr" in res.stderr and "float" in res.stderr

@@ -13,6 +13,7 @@ import torch
 from alignlit.data import PreferenceDataModule
 from alignlit.losses import dpo_loss
 from alignlit.models import export_pretrained, load_policy, make_tiny_llama, read_metadata
+from alignlit.modules import Optim
 from alignlit.modules.dpo import DPOModule, ReferenceCache, pair_logprobs, token_logprobs
 from tests.conftest import TINY
 
@@ -161,7 +162,7 @@ def test_reference_cache_hit_miss_and_invalidation(tmp_path, tiny_policy_dir, to
     cache_dir = tmp_path / "data" / ".alignlit_cache"
 
     L.seed_everything(0)
-    first = DPOModule(str(policy), lr=1e-3, warmup_steps=1)
+    first = DPOModule(str(policy), optim=Optim(lr=1e-3, warmup_steps=1))
     assert (
         first.reference_model is None
     )  # precompute_reference: the reference is loaded only to fill the cache
@@ -249,7 +250,7 @@ def test_dpo_learns_the_preferences(tmp_path, tiny_policy_dir, tokenizer_dir):
     in the chosen/rejected rows would drive the accuracy to 0 instead)."""
     data = _pairs_file(tmp_path / "pairs.jsonl")
     L.seed_everything(0)
-    module = DPOModule(str(tiny_policy_dir), beta=0.5, lr=3e-3, warmup_steps=1)
+    module = DPOModule(str(tiny_policy_dir), beta=0.5, optim=Optim(lr=3e-3, warmup_steps=1))
     trainer = L.Trainer(
         max_steps=25,
         accelerator="cpu",

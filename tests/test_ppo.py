@@ -16,9 +16,15 @@ import torch
 from alignlit.data import PromptDataModule
 from alignlit.losses import entropy_bonus, masked_nll, ppo_policy_loss, ppo_value_loss, shift_for_next_token
 from alignlit.models import export_pretrained, load_reward_model, load_scalar_model, make_tiny_llama
-from alignlit.modules import PPOModule
-from alignlit.modules.ppo import explained_variance, kl_penalized_rewards, normalize_scores
-from alignlit.ops import RunningMoments, entropy_from_logits
+from alignlit.modules import Optim, PPOModule
+from alignlit.modules.online import KLPenalty, PtxMix
+from alignlit.ops import (
+    RunningMoments,
+    entropy_from_logits,
+    explained_variance,
+    kl_penalized_rewards,
+    normalize_scores,
+)
 from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams, response_logprobs
 from tests.conftest import TINY
 
@@ -56,8 +62,17 @@ def reference_dir(tmp_path_factory, tokenizer):
     return d
 
 
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory, tiny_policy_dir):
+    """A reward-model export (the tiny policy's backbone with a scalar head)."""
+    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
+    d = tmp_path_factory.mktemp("ppo_rm") / "rm"
+    export_pretrained(rm, rm_tokenizer, d, stage="reward")
+    return d
+
+
 def make_module(tiny_policy_dir, **kwargs):
-    kwargs.setdefault("reward_model", char_reward)
+    kwargs.setdefault("reward", char_reward)
     kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=5), minibatch_size=4))
     module = PPOModule(policy=str(tiny_policy_dir), critic=str(tiny_policy_dir), **kwargs)
     module.rollout.setup(module.policy, module.tokenizer)
@@ -133,7 +148,7 @@ def test_experience_matches_naive_reference(tiny_policy_dir, reference_dir):
         reference=str(reference_dir),
         reward_norm="none",
         reward_clip=None,
-        kl_coef=0.1,
+        kl=KLPenalty(coef=0.1),
         gamma=0.9,
         lam=0.8,
         advantage_norm="none",
@@ -181,11 +196,9 @@ def test_losses_match_alignlit_losses(tiny_policy_dir, reference_dir, data_dir):
         entropy_coef=0.01,
         clip_eps=0.1,
         value_clip_eps=0.05,
-        ptx_coef=0.5,
-        ptx_file=str(data_dir / "sft.jsonl"),
-        ptx_batch_size=4,
-        ptx_max_length=32,
-        ptx_max_prompt_length=20,
+        ptx=PtxMix(
+            file=str(data_dir / "sft.jsonl"), coef=0.5, batch_size=4, max_length=32, max_prompt_length=20
+        ),
     )
     module.setup_ptx()
     exp = module.rollout.collect(PROMPTS, char_reward)
@@ -230,7 +243,7 @@ def test_reward_moments_and_adaptive_kl_over_rollouts(tiny_policy_dir, reference
     """Running moments after two rollouts equal torch.mean/var of all rewards; the adaptive β follows
     β·(1 + clip((KL - target)/target, ±0.2)·N/horizon)."""
     module = make_module(
-        tiny_policy_dir, reference=str(reference_dir), kl_coef=0.2, kl_target=0.5, kl_horizon=40
+        tiny_policy_dir, reference=str(reference_dir), kl=KLPenalty(coef=0.2, target=0.5, horizon=40)
     )
     seen = []
     for _ in range(2):
@@ -299,18 +312,19 @@ def resume_module(tiny_policy_dir, reference_dir, data_dir):
         tiny_policy_dir,
         reference=str(reference_dir),
         reference_baseline=True,
-        kl_target=1.0,
-        kl_horizon=50,
+        kl=KLPenalty(target=1.0, horizon=50),
         critic_pretrain_rollouts=1,
-        ptx_coef=0.1,
-        ptx_file=str(data_dir / "sft.jsonl"),
-        ptx_val_file=str(data_dir / "sft.jsonl"),
-        ptx_batch_size=3,
-        ptx_max_length=32,
-        ptx_max_prompt_length=20,
+        ptx=PtxMix(
+            file=str(data_dir / "sft.jsonl"),
+            val_file=str(data_dir / "sft.jsonl"),
+            coef=0.1,
+            batch_size=3,
+            max_length=32,
+            max_prompt_length=20,
+        ),
         rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), minibatch_size=3, epochs=2),
-        actor_lr=1e-3,
-        critic_lr=1e-3,
+        optim=Optim(lr=1e-3, min_lr_ratio=1.0),
+        critic_optim=Optim(lr=1e-3, min_lr_ratio=1.0),
         gold=char_reward,
     )
 
@@ -348,7 +362,12 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
 
 
 def test_critic_pretraining_freezes_policy_then_both_train(tmp_path, tiny_policy_dir, data_dir):
-    module = make_module(tiny_policy_dir, critic_pretrain_rollouts=2, actor_lr=1e-3, critic_lr=1e-3)
+    module = make_module(
+        tiny_policy_dir,
+        critic_pretrain_rollouts=2,
+        optim=Optim(lr=1e-3, min_lr_ratio=1.0),
+        critic_optim=Optim(lr=1e-3, min_lr_ratio=1.0),
+    )
     policy0 = {k: v.clone() for k, v in module.policy.state_dict().items()}
     critic0 = {k: v.clone() for k, v in module.critic.state_dict().items()}
     fit(module, data_dir, tmp_path, rollouts=2)
@@ -374,7 +393,7 @@ def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, da
 
     module = make_module(
         tiny_policy_dir,
-        reward_model=reward,
+        reward=reward,
         prompt_filter=PromptFilter(k=3, epsilon=1e-9, sampling=SamplingParams(max_new_tokens=5, seed=0)),
     )
     engine = HFEngine(module.tokenizer, module.policy, micro_batch_size=64)
@@ -398,18 +417,18 @@ def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, da
 
 def test_bad_arguments_name_the_field(tiny_policy_dir):
     with pytest.raises(ValueError, match="reward_norm must be"):
-        PPOModule(policy=str(tiny_policy_dir), reward_model=char_reward, reward_norm="whiten")
+        PPOModule(policy=str(tiny_policy_dir), reward=char_reward, reward_norm="whiten")
     with pytest.raises(ValueError, match="advantage_norm must be"):
-        PPOModule(policy=str(tiny_policy_dir), reward_model=char_reward, advantage_norm="rows")
-    with pytest.raises(ValueError, match=r"ptx_coef=0\.5 needs ptx_file"):
-        PPOModule(policy=str(tiny_policy_dir), reward_model=char_reward, ptx_coef=0.5)
+        PPOModule(policy=str(tiny_policy_dir), reward=char_reward, advantage_norm="rows")
+    with pytest.raises(ValueError, match=r"ptx.coef must be >= 0"):
+        PPOModule(policy=str(tiny_policy_dir), reward=char_reward, ptx=PtxMix(file="x.jsonl", coef=-1.0))
 
 
 def test_reward_model_directory(tmp_path, tiny_policy_dir):
     """A reward-model directory is loaded frozen and scores like ``load_reward_model``; the critic starts from it."""
     rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
     export_pretrained(rm, rm_tokenizer, tmp_path / "rm", stage="reward")
-    module = PPOModule(policy=str(tiny_policy_dir), reward_model=str(tmp_path / "rm"))
+    module = PPOModule(policy=str(tiny_policy_dir), reward=str(tmp_path / "rm"))
     module.rollout.setup(module.policy, module.tokenizer)
     assert not any(p.requires_grad for p in module.reward_model.parameters())
     assert all(p.requires_grad for p in module.critic.parameters())
@@ -425,7 +444,7 @@ CONFIGS = [ROOT / "configs/quickstart/ppo.yaml", ROOT / "configs/quickstart/ppo-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, data_dir):
+def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
     """Each shipped PPO config runs two rollouts on the tiny model through the CLI, with its own logger
     and checkpoint callback (relative paths land in tmp_path); model and data paths overridden."""
     from alignlit.cli import main
@@ -437,10 +456,10 @@ def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, data_di
             "--config",
             str(config),
             f"--model.init_args.policy={tiny_policy_dir}",
-            f"--model.init_args.reward_model={tiny_policy_dir}",
+            f"--model.init_args.reward={rm_dir}",
             "--model.init_args.gold=null",
-            f"--model.init_args.ptx_file={data_dir / 'sft.jsonl'}",
-            f"--model.init_args.ptx_val_file={data_dir / 'sft.jsonl'}",
+            f"--model.init_args.ptx.file={data_dir / 'sft.jsonl'}",
+            f"--model.init_args.ptx.val_file={data_dir / 'sft.jsonl'}",
             "--model.init_args.export_dir=export",
             f"--data.init_args.train_file={data_dir / 'prompts.jsonl'}",
             f"--data.init_args.val_file={data_dir / 'prompts.jsonl'}",
@@ -473,8 +492,8 @@ def test_ppo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, policy_dir, stage="init")
     module = PPOModule(
         policy=str(policy_dir),
-        reward_model=char_reward,
-        actor_lr=1e-3,
+        reward=char_reward,
+        optim=Optim(lr=1e-3, min_lr_ratio=1.0),
         rollout=RolloutLoop(
             engine="vllm",
             sampling=SamplingParams(max_new_tokens=5),

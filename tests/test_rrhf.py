@@ -11,7 +11,7 @@ import torch
 from alignlit.data import DataError, RankingDataModule
 from alignlit.data.ranking import collate_ranking
 from alignlit.models import load_policy, read_metadata
-from alignlit.modules import RRHFModule
+from alignlit.modules import Optim, RRHFModule
 
 PROMPTS = ["sort c a d", "reverse a b", "copy h g f", "dedupe a a b"]
 RESPONSES = [" a c d", " d a c ok done", " a", " sure a c d ok", " c d a c d a"]
@@ -178,7 +178,7 @@ def test_rrhf_learns_the_ranking(tmp_path, tiny_policy_dir, tokenizer_dir):
 
     path = _ranked_file(tmp_path / "ranked.jsonl", 4, 3)
     L.seed_everything(0)
-    module = RRHFModule(str(tiny_policy_dir), lr=3e-3, warmup_steps=1)
+    module = RRHFModule(str(tiny_policy_dir), optim=Optim(lr=3e-3, warmup_steps=1))
     trainer = L.Trainer(
         max_steps=40,
         accelerator="cpu",

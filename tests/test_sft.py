@@ -7,7 +7,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from alignlit.data import SFTDataModule
 from alignlit.models import TinyLlama, load_policy, read_metadata
-from alignlit.modules import SFTModule
+from alignlit.modules import Optim, SFTModule
 from alignlit.modules.base import check_finite, warmup_cosine
 from tests.conftest import TINY
 
@@ -46,7 +46,9 @@ def _data(tmp_path, n=48):
 
 def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, callbacks, ckpt_path=None):
     L.seed_everything(0)
-    module = SFTModule(policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), lr=1e-3, warmup_steps=2)
+    module = SFTModule(
+        policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), optim=Optim(lr=1e-3, warmup_steps=2)
+    )
     dm = SFTDataModule(str(_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = L.Trainer(
         max_steps=max_steps,
@@ -151,8 +153,7 @@ def test_sft_learns_and_exports(tmp_path, tokenizer_dir):
     L.seed_everything(0)
     module = SFTModule(
         policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY),
-        lr=3e-3,
-        warmup_steps=5,
+        optim=Optim(lr=3e-3, warmup_steps=5),
         export_dir=str(tmp_path / "out"),
     )
     dm = SFTDataModule(str(f), val_file=str(f), batch_size=3)

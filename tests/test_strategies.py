@@ -43,7 +43,7 @@ def _fit(cwd, *extra):
         "256",
         "--data.init_args.batch_size",
         "16",
-        "--model.init_args.warmup_steps",
+        "--model.init_args.optim.warmup_steps",
         "1",
         "--trainer.logger",
         "false",

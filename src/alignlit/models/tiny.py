@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from alignlit.models.loading import load_tokenizer
+
 
 def tiny_llama_config(
     tokenizer: PreTrainedTokenizerBase,
@@ -17,6 +19,7 @@ def tiny_llama_config(
     head_dim: int = 64,
     intermediate_size: int = 384,
     max_position_embeddings: int = 256,
+    attention_dropout: float = 0.0,
 ) -> LlamaConfig:
     """A Llama config sized for CPU; head_dim 64 so the same model also runs in vLLM on CPU."""
     return LlamaConfig(
@@ -28,6 +31,7 @@ def tiny_llama_config(
         num_key_value_heads=num_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
+        attention_dropout=attention_dropout,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -62,6 +66,7 @@ class TinyLlama:
         head_dim: per-head width; 64 keeps the model runnable in vLLM on CPU.
         intermediate_size: MLP width.
         max_position_embeddings: longest sequence the model accepts.
+        attention_dropout: dropout on the attention weights (stages that compare log-prob ratios turn it off).
         seed: initialisation seed.
     """
 
@@ -72,11 +77,10 @@ class TinyLlama:
     head_dim: int = 64
     intermediate_size: int = 384
     max_position_embeddings: int = 256
+    attention_dropout: float = 0.0
     seed: int = 0
 
     def build(self):
-        from alignlit.models.loading import load_tokenizer
-
         tok = load_tokenizer(self.tokenizer)
         model = make_tiny_llama(
             tok,
@@ -87,6 +91,7 @@ class TinyLlama:
             head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
             max_position_embeddings=self.max_position_embeddings,
+            attention_dropout=self.attention_dropout,
         )
         return model, tok
 

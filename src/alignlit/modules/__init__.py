@@ -1,9 +1,9 @@
 """One LightningModule per stage."""
 
-from alignlit.modules.base import AlignModule
+from alignlit.modules.base import AlignModule, Optim
 from alignlit.modules.sft import SFTModule
 
-__all__ = ["AlignModule", "SFTModule"]
+__all__ = ["AlignModule", "Optim", "SFTModule"]
 
 from alignlit.modules.ppo import PPOModule
 

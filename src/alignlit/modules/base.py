@@ -40,22 +40,58 @@ def warmup_cosine(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def adamw_with_schedule(
-    params,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    warmup_steps: int,
-    total_steps: int | Callable[[], int],
-    min_lr_ratio: float,
-):
-    """AdamW plus :func:`warmup_cosine`, as the dict Lightning's ``configure_optimizers`` returns."""
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
-    scheduler = warmup_cosine(
-        optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
-    )
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    """AdamW with linear warmup and cosine decay: the optimiser of every alignlit stage.
+
+    In YAML it is a group: ``optim: {lr: 1.0e-4, warmup_steps: 20}`` (PPO adds ``critic_optim``);
+    fields not given keep the stage's defaults.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        betas: Adam ``(β1, β2)``.
+        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr`` over this many steps (online
+            stages count rollouts).
+        min_lr_ratio: the cosine decay ends at ``lr * min_lr_ratio`` at the end of the run (1.0: constant LR
+            after warmup).
+    """
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not (math.isfinite(self.lr) and 0 < self.lr <= 10):
+            raise ValueError(f"optim.lr must be in (0, 10], got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def build(self, params, *, total_steps: int | Callable[[], int]) -> dict[str, Any]:
+        """AdamW over ``params`` plus :func:`warmup_cosine` over ``total_steps`` (an int, or a callable
+        asked once warmup is over), as the dict Lightning's ``configure_optimizers`` returns."""
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        scheduler = warmup_cosine(
+            optimizer,
+            warmup_steps=self.warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# Stages keep their __init__ arguments (an Optim among them) in checkpoints; let torch.load's
+# weights-only unpickler rebuild it on resume.
+torch.serialization.add_safe_globals([Optim])
 
 
 def check_finite(loss: torch.Tensor, *, what: str, step: int, metrics: dict[str, Any] | None = None) -> None:
@@ -92,9 +128,11 @@ class AlignModule(L.LightningModule):
     stage: str = "base"
     tokenizer: Any = None
 
-    def __init__(self, export_dir: str | None = None):
+    def __init__(self, export_dir: str | None = None, optim: Optim | None = None):
         super().__init__()
         self.export_dir = export_dir
+        #: the stage's optimiser settings (LightningCLI records the config, not the object, in hparams)
+        self.optim = optim
         #: the full CLI config, filled in by ``alignlit`` so the export records it
         self.cli_config: dict[str, Any] | None = None
 
@@ -127,20 +165,24 @@ class AlignModule(L.LightningModule):
             state_dict=state_dict,
         )
 
-    def configure_adamw(self, params):
-        """AdamW with warmup + cosine (:func:`adamw_with_schedule`) from the stage's ``lr``,
-        ``weight_decay``, ``betas``, ``warmup_steps`` and ``min_lr_ratio`` hyperparameters, over the
-        run's length as Lightning estimates it."""
-        hp = self.hparams
-        return adamw_with_schedule(
-            params,
-            lr=hp.lr,
-            weight_decay=hp.weight_decay,
-            betas=tuple(hp.betas),
-            warmup_steps=hp.warmup_steps,
-            total_steps=lambda: self.trainer.estimated_stepping_batches,
-            min_lr_ratio=hp.min_lr_ratio,
-        )
+    def configure_adamw(self, params, optim: Optim | None = None):
+        """:class:`Optim` (default: the stage's ``optim`` hyperparameter) over ``params``, with the cosine
+        schedule over the run's length as Lightning estimates it."""
+        optim = optim if optim is not None else self.optim
+        if optim is None:
+            raise ValueError(f"{type(self).__name__} has no optimiser settings (`optim`)")
+        return optim.build(params, total_steps=lambda: self.trainer.estimated_stepping_batches)
+
+    def clip_grad_norm(self, params, max_norm: float | None) -> torch.Tensor:
+        """Clip the global gradient norm of ``params`` to ``max_norm`` (None: only measure it); returns
+        the norm before clipping. Works across DTensor (tensor-parallel / FSDP2) and plain parameters."""
+        params = [p for p in params if p.grad is not None]
+        limit = max_norm if max_norm is not None else float("inf")
+        if self.device_mesh is not None:
+            from alignlit.strategies import clip_grad_norm
+
+            return clip_grad_norm(params, limit)
+        return torch.nn.utils.clip_grad_norm_(params, limit)
 
     def parallel_models(self) -> list[torch.nn.Module]:
         """The models :meth:`configure_model` shards under ``ModelParallelStrategy`` (default: the
@@ -162,12 +204,19 @@ class AlignModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.device_mesh is None or not gradient_clip_val:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        from alignlit.strategies import clip_grad_norm
-
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("with ModelParallelStrategy alignlit clips by norm only")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm(params, gradient_clip_val)
+        self.clip_grad_norm(
+            [p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val
+        )
+
+    def configure_callbacks(self):
+        """alignlit's guards (:func:`alignlit.callbacks.default_callbacks`): ``export_dir`` checked before
+        training, checkpoints stamped with their stage and checked before a resume, divergence stops
+        the run naming the step. One of the same class in the trainer's callbacks is kept instead."""
+        from alignlit.callbacks import default_callbacks
+
+        return default_callbacks(self._trainer)
 
     def on_fit_end(self) -> None:
         if not self.export_dir:

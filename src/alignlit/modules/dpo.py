@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric
 from alignlit.losses import dpo_loss, ipo_loss, rpo_sft_term, shift_for_next_token
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.ops.logprobs import gather_logprobs
 
 log = logging.getLogger(__name__)
@@ -221,11 +221,7 @@ class DPOModule(AlignModule):
             model in memory during training) instead of a reference forward every step.
         reference_cache_dir: where the cache lives (default: ``.alignlit_cache/`` next to the
             training data file).
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warmup steps.
-        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy and reference are loaded in ("float32", "bfloat16").
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit.
     """
@@ -242,15 +238,11 @@ class DPOModule(AlignModule):
         sft_weight: float = 0.0,
         precompute_reference: bool = True,
         reference_cache_dir: str | None = None,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 10,
-        min_lr_ratio: float = 0.1,
+        optim: Optim = Optim(lr=1e-5, warmup_steps=10),
         dtype: str = "float32",
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir)
+        super().__init__(export_dir=export_dir, optim=optim)
         if loss_type not in PREFERENCE_LOSSES:
             raise ValueError(f"loss_type must be one of {sorted(PREFERENCE_LOSSES)}, got {loss_type!r}")
         if beta <= 0:

@@ -11,7 +11,7 @@ from alignlit.losses.preference import ab_order_averaged_probability, ab_prefere
 from alignlit.models.loading import load_policy
 from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits, resolve_model_path
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite
 
 
 class PairwisePrefModule(AlignModule):
@@ -35,11 +35,7 @@ class PairwisePrefModule(AlignModule):
             instead of the 2-way softmax.
         randomize_order: show the chosen response as A or B at random in training (False: always A).
         seed: seed of the order draws.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warmup steps.
-        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
         export_dir: where the trained model is written as a Hugging Face causal-LM directory at the
             end of fit (None: no export).
@@ -54,15 +50,11 @@ class PairwisePrefModule(AlignModule):
         vocab_loss: bool = False,
         randomize_order: bool = True,
         seed: int = 0,
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 20,
-        min_lr_ratio: float = 0.1,
+        optim: Optim = Optim(lr=3e-4, warmup_steps=20),
         dtype: str = "float32",
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir)
+        super().__init__(export_dir=export_dir, optim=optim)
         self.save_hyperparameters()
         if isinstance(policy, TinyLlama):
             self.policy, self.tokenizer = load_policy(policy)

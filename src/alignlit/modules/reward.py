@@ -14,7 +14,7 @@ from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.loading import last_token_index, load_scalar_model
 from alignlit.models.reward import resolve_model_path
-from alignlit.modules.base import AlignModule, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,7 @@ class RewardModule(AlignModule):
         train_lm_head: train the LM head of the imitation loss too (default: it stays frozen and
             the loss shapes the backbone only).
         use_margin: use per-pair margins from the data in the Bradley-Terry loss.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warmup steps.
-        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
         histogram: write the score histogram at the end of every validation.
         export_dir: where the trained reward model is written as a Hugging Face
@@ -77,16 +73,12 @@ class RewardModule(AlignModule):
         lm_weight: float = 0.0,
         train_lm_head: bool = False,
         use_margin: bool = True,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 20,
-        min_lr_ratio: float = 0.1,
+        optim: Optim = Optim(lr=1e-4, warmup_steps=20),
         dtype: str = "float32",
         histogram: bool = True,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir)
+        super().__init__(export_dir=export_dir, optim=optim)
         self.save_hyperparameters()
         path = str(resolve_model_path(model))
         self.rm, self.tokenizer = load_scalar_model(path, dtype=dtype)

@@ -10,7 +10,7 @@ from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite
 
 
 class RRHFModule(AlignModule):
@@ -29,11 +29,7 @@ class RRHFModule(AlignModule):
             :class:`~alignlit.models.TinyLlama` spec.
         rank_weight: weight of the ranking hinge loss.
         sft_weight: weight of the summed NLL of the best response.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warmup steps.
-        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy is loaded in ("float32", "bfloat16").
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit.
     """
@@ -45,15 +41,11 @@ class RRHFModule(AlignModule):
         policy: str | TinyLlama,
         rank_weight: float = 1.0,
         sft_weight: float = 1.0,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 10,
-        min_lr_ratio: float = 0.1,
+        optim: Optim = Optim(lr=1e-5, warmup_steps=10),
         dtype: str = "float32",
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir)
+        super().__init__(export_dir=export_dir, optim=optim)
         if rank_weight < 0 or sft_weight < 0:
             raise ValueError(f"rank_weight and sft_weight must be >= 0, got {rank_weight} and {sft_weight}")
         self.save_hyperparameters()

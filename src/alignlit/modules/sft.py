@@ -9,7 +9,7 @@ from alignlit.data.encoding import LMBatch
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite
 
 
 class SFTModule(AlignModule):
@@ -18,11 +18,7 @@ class SFTModule(AlignModule):
     Args:
         policy: a Hugging Face causal-LM directory, or a :class:`~alignlit.models.TinyLlama` spec
             to train a tiny model from scratch.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warmup steps.
-        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy is loaded in ("float32", "bfloat16").
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit
             (None: no export).
@@ -33,15 +29,11 @@ class SFTModule(AlignModule):
     def __init__(
         self,
         policy: str | TinyLlama,
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 50,
-        min_lr_ratio: float = 0.1,
+        optim: Optim = Optim(lr=3e-4, warmup_steps=50),
         dtype: str = "float32",
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir)
+        super().__init__(export_dir=export_dir, optim=optim)
         self.save_hyperparameters()
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)

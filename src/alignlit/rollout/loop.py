@@ -174,6 +174,15 @@ class RolloutLoop:
         """Record that the policy's weights changed (the next generation syncs the engine first)."""
         self.stale = True
 
+    def synced_engine(self) -> RolloutEngine:
+        """The engine, synced with the policy's current weights (for sampling outside :meth:`generate`)."""
+        engine, policy = self._require_setup()
+        if self.stale:
+            engine.sync(policy)
+            self.syncs += 1
+            self.stale = False
+        return engine
+
     def _require_setup(self) -> tuple[RolloutEngine, torch.nn.Module]:
         if self.engine is None or self.policy is None:
             raise RuntimeError("RolloutLoop.setup(policy, tokenizer) must be called before generating")

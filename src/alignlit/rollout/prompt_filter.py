@@ -8,7 +8,7 @@ learn from against the current policy and is dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,21 +51,42 @@ class PromptFilter:
     Args:
         k: responses sampled per prompt (>= 2).
         epsilon: prompts with variance ``< epsilon`` are dropped.
-        sampling: how the ``k`` responses are sampled (its ``seed`` makes the filter reproducible).
+        sampling: how the ``k`` responses are sampled (default: like the stage's rollouts — same
+            temperature, length limit and stop strings — seeded with ``seed``).
+        seed: sampling seed when ``sampling`` is not given (makes the filter reproducible).
         batch_size: prompts per ``generate`` call.
     """
 
     k: int = 4
     epsilon: float = 1e-3
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
+    sampling: SamplingParams | None = None
+    seed: int = 0
     batch_size: int = 64
 
+    def __post_init__(self) -> None:
+        if self.k < 2:
+            raise ValueError(f"prompt_filter.k must be >= 2, got {self.k}")
+        if self.batch_size < 1:
+            raise ValueError(f"prompt_filter.batch_size must be >= 1, got {self.batch_size}")
+
     def __call__(
-        self, engine: RolloutEngine, reward: Reward, prompts: Sequence[str]
+        self,
+        engine: RolloutEngine,
+        reward: Reward,
+        prompts: Sequence[str],
+        *,
+        default_sampling: SamplingParams | None = None,
     ) -> tuple[list[str], dict[str, float]]:
-        """The kept prompts (in their order) and a report ``{prompts, kept, dropped, mean_variance}``."""
+        """The kept prompts (in their order) and a report ``{prompts, kept, dropped, mean_variance}``.
+
+        ``default_sampling`` (the rollout's) is used, seeded with :attr:`seed`, when :attr:`sampling`
+        is None.
+        """
+        sampling = self.sampling
+        if sampling is None:
+            sampling = replace(default_sampling or SamplingParams(), seed=self.seed)
         variances = reward_variance(
-            engine, reward, prompts, k=self.k, sampling=self.sampling, batch_size=self.batch_size
+            engine, reward, prompts, k=self.k, sampling=sampling, batch_size=self.batch_size
         )
         keep = (variances >= self.epsilon).tolist()
         kept = [p for p, ok in zip(prompts, keep) if ok]

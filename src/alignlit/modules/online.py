@@ -1,0 +1,509 @@
+"""The base of every online stage: rollouts of the current policy interleaved with gradient steps.
+
+Lightning 2.x has no loop-replacement API, so an online stage uses manual optimisation and one
+``training_step`` is one *rollout*: :class:`OnlineModule` samples responses to the prompt batch
+through the :class:`~alignlit.rollout.RolloutLoop` and scores them with the reward, then the stage's
+:meth:`OnlineModule.train_on` turns the scored :class:`~alignlit.rollout.Experience` into updates
+(PPO: advantages and minibatch epochs; online DPO: pairs; policy gradients: group advantages).
+
+Everything else lives here, once: loading the policy, the frozen reference ``π_0`` and the reward;
+dropout off (log-prob ratios must compare the same function); the prompt filter (ChatGLM §3.4);
+the ptx (SFT-loss) mixer and ``val/sft_nll``; validation sampling (``val/reward``, ``val/gold``,
+``val/kl``, ``val/length``); per-rollout warmup + cosine LR schedules; gradient-norm clipping; the
+phase shown in the progress bar; the curves PNG/JSON; checkpoints that leave the frozen models out
+and keep every piece of online state (loop counters and RNGs, ptx loader position, history) for an
+exact resume.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_only
+
+from alignlit.data.sft import SFTDataModule
+from alignlit.losses.lm import masked_nll, shift_for_next_token
+from alignlit.models.forward import disable_dropout, response_logprobs
+from alignlit.models.loading import load_policy
+from alignlit.models.tiny import TinyLlama
+from alignlit.modules.base import AlignModule, Optim, check_finite
+from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
+from alignlit.rollout.base import SamplingParams
+from alignlit.rollout.loop import Experience, RolloutLoop
+from alignlit.rollout.prompt_filter import PromptFilter
+from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class KLPenalty:
+    """The KL(π‖π_0) control of an online stage (algorithms.md §4).
+
+    Args:
+        coef: ``β`` (the initial value when adaptive).
+        estimator: per-token estimator ``"k1"``, ``"k2"`` or ``"k3"``.
+        target: adapt ``β`` towards this KL per response in nats (Ziegler et al. 2019); None keeps
+            ``β`` fixed.
+        horizon: horizon of the adaptive controller, in samples.
+    """
+
+    coef: float = 0.05
+    estimator: KLKind = "k1"
+    target: float | None = None
+    horizon: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ValueError(f"kl.coef must be >= 0, got {self.coef}")
+        if self.estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl.estimator must be 'k1', 'k2' or 'k3', got {self.estimator!r}")
+        if self.target is not None and self.target <= 0:
+            raise ValueError(f"kl.target must be > 0 or None, got {self.target}")
+        if self.horizon < 1:
+            raise ValueError(f"kl.horizon must be >= 1, got {self.horizon}")
+
+    def controller(self) -> FixedKLController | AdaptiveKLController:
+        """A fresh controller of ``β``."""
+        if self.target is None:
+            return FixedKLController(self.coef)
+        return AdaptiveKLController(self.coef, self.target, self.horizon)
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxMix:
+    """Human (prompt, response) data whose SFT loss is mixed into every policy update (ChatGLM eq. 6,
+    InstructGPT PPO-ptx). Its validation set gives ``val/sft_nll`` (capability retention), also
+    when ``coef`` is 0. Read and encoded as :class:`~alignlit.data.SFTDataModule` does.
+
+    Args:
+        file: human (prompt, response) records.
+        val_file: validation records for ``val/sft_nll`` (default: 5% of ``file``).
+        coef: weight of the token-mean SFT NLL in every policy loss.
+        batch_size: SFT examples per policy update.
+        max_length: longest SFT prompt + response in tokens.
+        max_prompt_length: SFT prompts are left-truncated to this many tokens.
+    """
+
+    file: str
+    val_file: str | None = None
+    coef: float = 0.0
+    batch_size: int = 16
+    max_length: int = 256
+    max_prompt_length: int = 128
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ValueError(f"ptx.coef must be >= 0, got {self.coef}")
+
+
+torch.serialization.add_safe_globals([KLPenalty, PtxMix])
+
+
+class PhaseDisplay(L.Callback):
+    """Shows the phase of an online step (``rollout``, ``train``) in the progress bar's description.
+
+    Installed by :class:`OnlineModule` (``configure_callbacks``); uses only the progress bars'
+    public attributes, and does nothing without a progress bar.
+    """
+
+    def show(self, trainer: L.Trainer, phase: str) -> None:
+        bar: ProgressBar | None = trainer.progress_bar_callback
+        if bar is None or not bar.is_enabled:
+            return
+        description = f"Epoch {trainer.current_epoch} [{phase}]"
+        if isinstance(bar, TQDMProgressBar) and bar.train_progress_bar is not None:
+            bar.train_progress_bar.set_description(description, refresh=True)
+        elif (
+            isinstance(bar, RichProgressBar)
+            and bar.progress is not None
+            and bar.train_progress_bar_id is not None
+        ):
+            bar.progress.update(bar.train_progress_bar_id, description=description)
+            bar.refresh()
+
+
+class TrainedModel(NamedTuple):
+    """A model an online stage updates, with its own optimizer and LR schedule."""
+
+    name: str
+    """Name in metrics (``lr/<name>``) and in :meth:`OnlineModule.update`."""
+    module: torch.nn.Module
+    optim: Optim
+    first_rollout: int = 0
+    """Rollouts before its first update (its schedule runs over the remaining ones)."""
+
+
+def _mean_metrics(records: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Average each metric over the minibatch records that have it."""
+    keys = sorted({k for rec in records for k in rec})
+    return {k: float(torch.stack([rec[k].float() for rec in records if k in rec]).mean()) for k in keys}
+
+
+class OnlineModule(AlignModule):
+    """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
+    :meth:`online_state_dict` / :meth:`load_online_state_dict`).
+
+    ``trainer.global_step`` counts optimizer steps (Lightning's manual-optimisation convention): set
+    the run length in rollouts with ``trainer.max_epochs`` and ``trainer.limit_train_batches``; LR
+    schedules count rollouts (warmup and cosine decay over the planned number of rollouts).
+
+    Args:
+        policy: causal-LM directory (e.g. the SFT export), or a :class:`~alignlit.models.TinyLlama` spec.
+        reward: a reward-model directory (frozen; scores response texts encoded as in its training),
+            the dotted path of a reward function, or any reward object/callable
+            (see :mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
+        reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights).
+        rollout: the rollout loop (engine, sampling, samples per prompt, epochs, minibatch size, parity
+            checks); default ``RolloutLoop()``.
+        optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
+        max_grad_norm: global gradient-norm clipping of each trained model (None: off).
+        ptx: SFT data mixed into policy updates and scored as ``val/sft_nll`` (None: off).
+        prompt_filter: drop training prompts with low reward variance under the initial policy
+            (ChatGLM §3.4), applied to the DataModule's ``train_prompts`` at the start of fit.
+        gold: a reward scored on validation samples as ``val/gold`` (e.g. the simulated task's gold
+            reward); None: not logged.
+        val_sampling: sampling of validation responses (default: the rollout's); validation batch
+            ``i`` is sampled with seed ``rollout.seed + i``.
+        reward_batch_size: samples per reward-model forward pass.
+        dtype: dtype of the loaded models.
+        curves_file: PNG of the monitoring curves written at the end of fit (default:
+            ``<log dir>/<stage>_curves.png``); the history goes next to it as JSON.
+        export_dir: where the trained policy is exported at the end of fit.
+    """
+
+    stage = "online"
+    curve_panels: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("reward/raw", "reward (raw)"),
+        ("kl/ref", "KL(π‖π0) per response"),
+        ("response/length", "response length (tokens)"),
+        ("val/gold", "held-out gold reward"),
+        ("val/reward", "held-out reward"),
+        ("val/sft_nll", "NLL on SFT validation data"),
+        ("time/rollout_s", "rollout time (s)"),
+        ("time/train_s", "train time (s)"),
+    )
+    """``(history key, panel title)`` of the curves PNG."""
+
+    def __init__(
+        self,
+        policy: str | TinyLlama,
+        reward: str | Reward,
+        reference: str | None = None,
+        rollout: RolloutLoop | None = None,
+        optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
+        max_grad_norm: float | None = 1.0,
+        ptx: PtxMix | None = None,
+        prompt_filter: PromptFilter | None = None,
+        gold: RewardFn | None = None,
+        val_sampling: SamplingParams | None = None,
+        reward_batch_size: int = 64,
+        dtype: str = "float32",
+        curves_file: str | None = None,
+        export_dir: str | None = None,
+    ):
+        super().__init__(export_dir=export_dir, optim=optim)
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if reward_batch_size < 1:
+            raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")
+        self.automatic_optimization = False
+        self.max_grad_norm = max_grad_norm
+        self.rollout = rollout if rollout is not None else RolloutLoop()
+        self.ptx = ptx
+        self.ptx_data: SFTDataModule | None = None
+        self.prompt_filter = prompt_filter
+        self.gold = gold
+        self.val_sampling = val_sampling
+        self.curves_file = curves_file
+
+        self.policy, self.tokenizer = (
+            load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
+        )
+        disable_dropout(self.policy).train()
+        self._policy_dir = None if isinstance(policy, TinyLlama) else str(policy)
+        self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else str(policy)
+        reference_model = (
+            load_policy(reference, dtype=dtype)[0] if reference is not None else copy.deepcopy(self.policy)
+        )
+        self.reference = disable_dropout(reference_model).requires_grad_(False).eval()
+
+        self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=dtype)
+        model = getattr(self.reward, "model", None)
+        # registered as a submodule so it follows the module's device; left out of checkpoints
+        self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
+
+        self.history: list[dict[str, float]] = []
+        self.skipped_rollouts = 0
+        self._phase = PhaseDisplay()
+        self._stepped: set[int] = set()
+        self._planned_rollouts = 1
+        self._ptx_loader = None
+        self._ptx_iter = None
+        self._ptx_state: dict[str, Any] | None = None
+        self._val_records: list[dict[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ what a stage implements
+    def train_on(self, experience: Experience) -> dict[str, float]:
+        """Update the trained models on one scored rollout (with :meth:`update`); returns metrics."""
+        raise NotImplementedError
+
+    def trained_models(self) -> list[TrainedModel]:
+        """The models this stage updates, one optimizer each, the policy first."""
+        return [TrainedModel("policy", self.policy, self.optim)]
+
+    def online_state_dict(self) -> dict[str, Any]:
+        """A stage's own online state for checkpoints (counters, caches, controllers)."""
+        return {}
+
+    def load_online_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`online_state_dict`."""
+
+    # ------------------------------------------------------------------ setup
+    def export_model(self):
+        return self.policy
+
+    def parallel_models(self) -> list[torch.nn.Module]:
+        return [trained.module for trained in self.trained_models()]
+
+    def frozen_prefixes(self) -> list[str]:
+        """State-dict prefixes of the frozen models, left out of checkpoints (they reload from disk)."""
+        return ["reference."] + (["reward_model."] if self.reward_model is not None else [])
+
+    def configure_callbacks(self):
+        return [*super().configure_callbacks(), self._phase]
+
+    def setup(self, stage: str) -> None:
+        world = self.trainer.world_size if self._trainer is not None else 1
+        self.rollout.setup(self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world)
+        self.setup_ptx()
+
+    def setup_ptx(self) -> None:
+        """Read and encode the ptx data (once), as :class:`~alignlit.data.SFTDataModule` does."""
+        if self.ptx is None or self.ptx_data is not None:
+            return
+        self.ptx_data = SFTDataModule(
+            train_file=self.ptx.file,
+            val_file=self.ptx.val_file,
+            tokenizer=self._tokenizer_dir,
+            max_length=self.ptx.max_length,
+            max_prompt_length=self.ptx.max_prompt_length,
+            batch_size=self.ptx.batch_size,
+        )
+        self.ptx_data.trainer = self._trainer
+        self.ptx_data.setup("fit")
+
+    def on_fit_start(self) -> None:
+        if self.prompt_filter is None:
+            return
+        dm = self.trainer.datamodule
+        if dm is None or not hasattr(dm, "train_prompts"):
+            raise ValueError("prompt_filter needs a DataModule with `train_prompts` (e.g. PromptDataModule)")
+        dm.train_prompts, report = self.prompt_filter(
+            self.rollout.synced_engine(),
+            self.reward,
+            dm.train_prompts,
+            default_sampling=self.rollout.sampling,
+        )
+        if not dm.train_prompts:
+            raise ValueError(f"prompt_filter dropped every training prompt ({report}); lower epsilon")
+        print(f"alignlit: prompt filter kept {int(report['kept'])} of {int(report['prompts'])} prompts")
+
+    def on_train_start(self) -> None:
+        planned = self.trainer.estimated_stepping_batches
+        self._planned_rollouts = int(planned) if planned != float("inf") else 1_000_000
+
+    def configure_optimizers(self):
+        # the schedule's length is read once warmup is over (known from on_train_start): asking for it
+        # here would load the prompt loader before a checkpoint restores its position
+        return [
+            t.optim.build(
+                t.module.parameters(),
+                total_steps=lambda t=t: max(1, self._planned_rollouts - t.first_rollout),
+            )
+            for t in self.trained_models()
+        ]
+
+    # ------------------------------------------------------------------ one rollout
+    def _listed(self, value) -> list:
+        return value if isinstance(value, list) else [value]
+
+    def update(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """Backward ``loss``, clip the gradient norm of the trained model ``name`` and step its optimizer;
+        returns the norm before clipping. A policy update marks the rollout engine stale."""
+        names = [t.name for t in self.trained_models()]
+        if name not in names:
+            raise KeyError(f"{type(self).__name__} trains {names}, not {name!r}")
+        index = names.index(name)
+        model = self.trained_models()[index].module
+        optimizer = self._listed(self.optimizers())[index]
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        norm = self.clip_grad_norm(model.parameters(), self.max_grad_norm)
+        optimizer.step()
+        self._stepped.add(index)
+        if model is self.policy:
+            self.rollout.mark_stale()
+        return norm
+
+    def training_step(self, prompts: list[str], batch_idx: int) -> None:
+        self._phase.show(self.trainer, "rollout")
+        start = time.perf_counter()
+        experience = self.rollout.collect(prompts, self.reward)
+        metrics = {**self.rollout.metrics, "time/rollout_s": time.perf_counter() - start}
+
+        self._phase.show(self.trainer, "train")
+        start = time.perf_counter()
+        self._stepped = set()
+        metrics.update(self.train_on(experience))
+        schedulers = self._listed(self.lr_schedulers())
+        for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
+            schedulers[index].step()
+        metrics["time/train_s"] = time.perf_counter() - start
+        for trained, scheduler in zip(self.trained_models(), schedulers):
+            metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
+        metrics["rollout"] = float(self.rollout.rollouts)
+        metrics["rollout/skipped_total"] = float(self.skipped_rollouts)
+        self.history.append(dict(metrics))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(experience))
+        shown = {name: metrics[k] for name, k in (("reward", "reward/raw"), ("kl", "kl/ref")) if k in metrics}
+        self.log_dict(shown, prog_bar=True, logger=False, batch_size=len(experience))
+
+    def skip(self, reason: str) -> dict[str, float]:
+        """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
+        self.skipped_rollouts += 1
+        print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
+        return {"rollout/skipped": 1.0}
+
+    # ------------------------------------------------------------------ ptx
+    def _ptx_batch(self):
+        if self._ptx_iter is None:
+            if self._ptx_loader is None:
+                self._ptx_loader = self.ptx_data.train_dataloader()
+                if self._ptx_state is not None:
+                    self._ptx_loader.load_state_dict(self._ptx_state)
+            self._ptx_iter = iter(self._ptx_loader)
+        try:
+            return next(self._ptx_iter)
+        except StopIteration:
+            self._ptx_loader.sampler.set_epoch(self._ptx_loader.sampler.epoch + 1)
+            self._ptx_iter = iter(self._ptx_loader)
+            return next(self._ptx_iter)
+
+    def ptx_nll(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Token-mean NLL of the policy on a batch of human (prompt, response) pairs (ChatGLM eq. 6)."""
+        input_ids, attention_mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
+        return masked_nll(*shift_for_next_token(logits, input_ids, batch.loss_mask.to(self.device)))
+
+    def add_ptx(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, what: str) -> torch.Tensor:
+        """``loss + ptx.coef · NLL`` on the next ptx batch (metric ``ptx_nll``), checked finite."""
+        if self.ptx is not None and self.ptx.coef > 0:
+            nll, ptx_metrics = self.ptx_nll(self._ptx_batch())
+            loss = loss + self.ptx.coef * nll
+            metrics["ptx_nll"] = ptx_metrics["nll"]
+        check_finite(loss, what=what, step=self.global_step, metrics=metrics)
+        return loss
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
+        sampling = self.val_sampling or self.rollout.sampling
+        sampling = dataclasses.replace(sampling, seed=self.rollout.seed + batch_idx)
+        rollout = self.rollout.generate(prompts, n=1, sampling=sampling)
+        mask = rollout.response_mask.to(self.device)
+        ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
+        ref = response_logprobs(
+            self.reference, *(t.to(self.device) for t in ids), temperature=sampling.temperature
+        )
+        record = {
+            "val/reward": score_rollout(self.reward, rollout),
+            "val/kl": ((rollout.logprobs.to(self.device) - ref) * mask).sum(-1).cpu(),
+            "val/length": rollout.response_lengths.float(),
+        }
+        if self.gold is not None:
+            record["val/gold"] = score_rollout(self.gold, rollout)
+        self._val_records.append(record)
+
+    def on_validation_epoch_end(self) -> None:
+        records, self._val_records = self._val_records, []
+        metrics: dict[str, float] = {}
+        if records:
+            metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]}
+        if self.ptx_data is not None and self.ptx_data.val_set:
+            nll = [self.ptx_nll(b) for b in self.ptx_data.val_dataloader()]
+            tokens = torch.stack([m["tokens"] for _, m in nll]).float()
+            metrics["val/sft_nll"] = float(
+                (torch.stack([loss for loss, _ in nll]) * tokens).sum() / tokens.sum()
+            )
+        if metrics:
+            if not self.trainer.sanity_checking:
+                self.log_dict(metrics, sync_dist=True)
+            # the sanity check before training (``num_sanity_val_steps: -1`` runs all validation
+            # batches) is the curves' starting point
+            self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
+
+    # ------------------------------------------------------------------ checkpoints and curves
+    @property
+    def state_key(self) -> str:
+        return f"{self.stage}_state"
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the online state; leave the frozen models out (they reload from disk)."""
+        prefixes = tuple(self.frozen_prefixes())
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(prefixes)]:
+            del state[key]
+        loader = self._ptx_loader
+        checkpoint[self.state_key] = {
+            "rollout": self.rollout.state_dict(),
+            "history": list(self.history),
+            "skipped_rollouts": self.skipped_rollouts,
+            "ptx_loader": loader.state_dict() if loader is not None else self._ptx_state,
+            "torch_rng": torch.get_rng_state(),
+            **self.online_state_dict(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(self.state_key)
+        if state is None:
+            raise KeyError(
+                f"checkpoint has no {self.state_key!r}: it was not written by {type(self).__name__}"
+            )
+        for prefix in self.frozen_prefixes():
+            module = getattr(self, prefix.rstrip("."))
+            checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
+        self.rollout.load_state_dict(state["rollout"])
+        self.history = list(state["history"])
+        self.skipped_rollouts = int(state["skipped_rollouts"])
+        self._ptx_state = state["ptx_loader"]
+        self._ptx_loader = self._ptx_iter = None
+        torch.set_rng_state(state["torch_rng"])
+        self.load_online_state_dict(state)
+
+    @rank_zero_only
+    def write_curves(self) -> Path | None:
+        """Plot the monitoring history (PNG) and write it as JSON next to it; None without history."""
+        if not self.history:
+            return None
+        from alignlit.eval.plots import plot_curves
+
+        out = self.curves_file
+        if out is None:
+            root = self.trainer.log_dir or self.trainer.default_root_dir
+            out = str(Path(root) / f"{self.stage}_curves.png")
+        path = plot_curves(
+            {self.stage: self.history}, out, panels=self.curve_panels, title=f"{self.stage} monitoring"
+        )
+        path.with_suffix(".json").write_text(json.dumps(self.history, indent=1) + "\n")
+        print(f"alignlit: {self.stage} curves written to {path}")
+        return path
+
+    def on_fit_end(self) -> None:
+        self.write_curves()
+        super().on_fit_end()
