@@ -62,7 +62,7 @@ def test_best_of_n_keeps_the_selected_response(policy):
 def test_reward_model_scores_an_empty_sample_as_prompt_then_eos(tmp_path, tiny_policy_dir, tokenizer):
     """A policy sample that ends at once is scored (as prompt + EOS), never an error; the eval selector
     never picks it."""
-    from alignlit.eval.cli import rm_selector
+    from alignlit.eval.score import rm_selector
     from alignlit.models import export_pretrained, load_reward_model, load_scalar_model
 
     rm, tok = load_scalar_model(tiny_policy_dir)
@@ -80,7 +80,7 @@ def test_reward_model_scores_an_empty_sample_as_prompt_then_eos(tmp_path, tiny_p
 
 
 def test_eval_command_line_parses_every_option():
-    from alignlit.eval.cli import build_parser
+    from alignlit.cli.eval import build_parser
 
     args = build_parser().parse_args(
         [

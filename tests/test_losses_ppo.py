@@ -41,6 +41,19 @@ def test_ppo_policy_loss_by_hand():
     assert all(not value.requires_grad for value in metrics.values())
 
 
+def test_ppo_policy_loss_with_importance_weights_by_hand():
+    """Weights w = (2, 0.5 | 1, 0.25) on the four valid tokens (padding weight 9 ignored):
+    loss = -(2·1.2 + 0.5·0.5 + 1·(-0.8) + 0.25·2)/4 = -(2.4 + 0.25 - 0.8 + 0.5)/4 = -0.5875.
+    Gradient: -w·ρ·A/4 where unclipped: (0, -0.5·0.5/4 = -0.0625, 0 | 0, -0.25·2/4 = -0.125, 0)."""
+    weights = torch.tensor([[2.0, 0.5, 9.0], [1.0, 0.25, 9.0]], dtype=torch.float64)
+    logprobs = (OLD_LOGPROBS + torch.log(RATIOS)).requires_grad_(True)
+    loss, _ = ppo_policy_loss(logprobs, OLD_LOGPROBS, ADVANTAGES, MASK, clip_eps=0.2, is_weights=weights)
+    assert loss.item() == pytest.approx(-0.5875)
+    loss.backward()
+    expected_grad = torch.tensor([[0.0, -0.0625, 0.0], [0.0, -0.125, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logprobs.grad, expected_grad)
+
+
 def test_ppo_policy_loss_is_token_weighted_mean_of_single_sequences():
     """The loss is a mean over all valid tokens of the batch: a length-weighted mean of per-sequence losses."""
     generator = torch.Generator().manual_seed(0)

@@ -147,3 +147,33 @@ def test_reward_from_a_dotted_function_path():
         resolve_reward("alignlit.sim.SimGoldReward")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_reward("out/no/such/reward-model")
+
+
+def test_mismatch_is_logged_and_tis_weights_the_policy_loss(tiny_policy_dir):
+    """An engine whose log-probs are off by a known amount (an off-policy batch): the module measures
+    the mismatch, and with tis_cap = 1.5 weights every token's PPO loss by min(π_old/μ, 1.5)."""
+    from alignlit.losses import ppo_policy_loss
+    from alignlit.ops import kl_k3
+
+    module = ppo(tiny_policy_dir, tis_cap=1.5, advantage_norm="none")
+    exp = module.rollout.collect(PROMPTS[:3], length_reward)
+    mask = exp.rollout.response_mask
+    shift = (
+        torch.where(torch.arange(mask.shape[1]) % 2 == 0, 0.8, -0.3).expand_as(mask) * mask
+    )  # log π_old - log μ
+    exp.rollout.logprobs = exp.rollout.logprobs - shift  # the engine's μ
+    batch, metrics = module.make_experience(exp.rollout, exp.rewards)
+    valid = mask.bool()
+    assert metrics["mismatch/abs_mean"] == pytest.approx(shift.abs()[valid].mean().item(), rel=1e-4)
+    assert metrics["mismatch/abs_max"] == pytest.approx(0.8, rel=1e-4)
+    expected_kl = kl_k3(-shift, torch.zeros_like(shift))[valid].mean().item()  # E_μ[w - 1 - log w]
+    assert metrics["mismatch/kl"] == pytest.approx(expected_kl, rel=1e-4)
+    expected_weights = torch.where(shift > 0, 1.5, torch.exp(shift)) * mask  # min(e^0.8 = 2.23, 1.5), e^-0.3
+    torch.testing.assert_close(batch.is_weights, expected_weights.float(), rtol=1e-5, atol=1e-6)
+
+    loss, _ = module.actor_loss(batch)
+    logprobs = response_logprobs(module.policy, *batch.ids)
+    expected, _ = ppo_policy_loss(
+        logprobs, batch.old_logprobs, batch.advantages, batch.mask, clip_eps=0.2, is_weights=expected_weights
+    )
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-5, atol=1e-6)

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from alignlit.cli.sample import load_scorer, main
 from alignlit.data import read_records
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, read_ranked
 from alignlit.rollout import Rollout, SamplingParams
-from alignlit.rollout.sampling import load_scorer, main, sample_ranked
+from alignlit.rollout.sampling import sample_ranked
 
 PROMPTS = [
     "\n\nHuman: sort c a d\n\nAssistant:",
@@ -148,7 +149,7 @@ def test_sample_cli_writes_ranked_pairs_and_rft(
     records are exactly the best/worst and best of those rows; a second run with the same seed writes
     the same bytes. (The scorer is replaced by a character count, which varies on a random policy's
     output; the gold scorer is checked in test_gold_scorer.)"""
-    monkeypatch.setattr("alignlit.rollout.sampling.load_scorer", lambda spec, **kwargs: _char_scorer)
+    monkeypatch.setattr("alignlit.cli.sample.load_scorer", lambda spec, **kwargs: _char_scorer)
     out = tmp_path / "a"
     groups = _sample(
         tiny_policy_dir,

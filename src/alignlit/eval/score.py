@@ -1,33 +1,22 @@
-"""``alignlit score``: score records with a trained reward model, or measure it on preference pairs.
+"""Scoring with trained reward models: records (:func:`score_records`), preference pairs
+(:func:`evaluate_pairs`: accuracy, margin, reward/length correlation; order-averaged ``P(chosen ≻
+rejected)`` for a pairwise preference model) and best-of-n selection (:func:`rm_selector`).
 
-Examples::
-
-    alignlit score --model out/quickstart/reward --input data/sim/sft_val.jsonl --output scored.jsonl
-    alignlit score --model out/quickstart/reward --pairs data/sim/pairs_gold_val.jsonl --json acc.json
-
-``--input`` records are ``{"prompt", "response"}`` (the prompt may be a list of chat messages) or
-HH-RLHF dialogues (``{"chosen"}`` / ``{"text"}``); each output line is the input record plus
-``"score"``. ``--pairs`` takes any preference format of :class:`~alignlit.data.PreferenceDataModule`
-and reports pairwise accuracy, mean margin and the reward/length Pearson correlation. A pairwise
-preference model (``PairwisePrefModule`` export) is measured on ``--pairs`` too (order-averaged
-``P(chosen ≻ rejected)`` and position consistency).
+``alignlit score`` (:mod:`alignlit.cli.score`) runs the first two from the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from alignlit.data.preference import PairError, parse_pairs
-from alignlit.data.records import parse_prompt_response, read_records
-from alignlit.models.export import read_metadata
+from alignlit.data.preference import parse_pairs
+from alignlit.data.records import parse_prompt_response
 from alignlit.models.reward import AB_FORMAT_KEY, load_preference_model, load_reward_model, resolve_model_path
+from alignlit.rollout.reward import resolve_reward, score_texts
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -93,51 +82,17 @@ def evaluate_pairs(model_dir: str, records, *, batch_size: int, max_length: int 
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="alignlit score", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", required=True, help="exported reward model (or pairwise preference model) directory"
-    )
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--input", help="records to score ({prompt, response} or HH-RLHF)")
-    group.add_argument("--pairs", help="preference pairs: report accuracy and score statistics")
-    p.add_argument("--output", help="with --input: where to write the scored records (JSONL)")
-    p.add_argument("--json", help="with --pairs: also write the metrics as JSON here")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per forward (default: %(default)s)")
-    p.add_argument("--max-length", type=int, default=None, help="token limit (default: the training limit)")
-    p.add_argument("--max-examples", type=int, default=None, help="use only the first N records")
-    return p
+def rm_selector(rm_dir: str, *, batch_size: int = 64):
+    """Scores for best-of-n selection by a reward model (``select_fn`` of
+    :func:`alignlit.eval.gold.best_of_n`); an empty response is never selected (scored ``-inf``)."""
+    reward = resolve_reward(rm_dir, batch_size=batch_size)
 
+    def select(prompts, responses):
+        keep = [i for i, r in enumerate(responses) if r.strip()]
+        out = torch.full((len(responses),), float("-inf"), dtype=torch.float64)
+        if keep:
+            scores = score_texts(reward, [prompts[i] for i in keep], [responses[i] for i in keep])
+            out[keep] = scores.to(torch.float64)
+        return out.tolist()
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.input and not args.output:
-        parser.error("--input needs --output")
-    torch.set_grad_enabled(False)
-    source = args.input or args.pairs
-    records = read_records(source)[: args.max_examples]
-    try:
-        if args.input:
-            from alignlit.sim.data import write_jsonl
-
-            scored = score_records(
-                args.model, records, batch_size=args.batch_size, max_length=args.max_length
-            )
-            write_jsonl(args.output, scored)
-            s = torch.tensor([r["score"] for r in scored])
-            print(f"scored {len(scored)} records (mean {s.mean():.4f}, std {s.std():.4f}) -> {args.output}")
-            return
-        metrics = evaluate_pairs(args.model, records, batch_size=args.batch_size, max_length=args.max_length)
-    except PairError as e:
-        sys.exit(f"alignlit score: {e}")
-    metrics = {
-        "model": args.model,
-        "pairs_file": args.pairs,
-        "stage": read_metadata(args.model).get("stage"),
-        **metrics,
-    }
-    print(json.dumps(metrics, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
+    return select

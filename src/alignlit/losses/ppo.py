@@ -23,6 +23,7 @@ def ppo_policy_loss(
     mask: torch.Tensor,
     *,
     clip_eps: float,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate ``L_π = -mean_t min(ρ_t·A_t, clip(ρ_t, 1-ε, 1+ε)·A_t)``, ``ρ_t = exp(log π_θ - log π_θ_old)``.
 
@@ -34,6 +35,8 @@ def ppo_policy_loss(
         advantages: (B, T) advantage estimates (e.g. whitened GAE).
         mask: (B, T) 1 on response tokens.
         clip_eps: ``ε > 0``.
+        is_weights: (B, T) per-token importance weights multiplying each token's loss (truncated
+            importance sampling of the rollout/trainer mismatch, algorithms.md §11); None: 1.
 
     Returns:
         ``(loss, metrics)``; metrics ``policy_loss``; ``clip_frac``, the fraction of valid tokens where
@@ -49,7 +52,11 @@ def ppo_policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+    token_loss = -torch.minimum(unclipped, clipped)  # (B, T)
+    if is_weights is not None:
+        check_same_shape(logprobs=logprobs, is_weights=is_weights)
+        token_loss = token_loss * is_weights.detach()
+    loss = masked_mean(token_loss, mask)
     with torch.no_grad():
         metrics = {
             "policy_loss": loss.detach(),

@@ -1,7 +1,8 @@
 """Model loading, tiny-model and tokenizer factories, and Hugging Face export."""
 
-from alignlit.models.export import export_pretrained, read_metadata
+from alignlit.models.export import ExportDirError, check_export_dir, export_pretrained, read_metadata
 from alignlit.models.loading import (
+    NotARewardModelError,
     ScalarHeadModel,
     last_token_index,
     load_policy,
@@ -13,8 +14,11 @@ from alignlit.models.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 
 __all__ = [
     "HH_CHAT_TEMPLATE",
+    "ExportDirError",
+    "NotARewardModelError",
     "ScalarHeadModel",
     "TinyLlama",
+    "check_export_dir",
     "export_pretrained",
     "last_token_index",
     "load_policy",

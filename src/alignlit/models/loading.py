@@ -9,11 +9,11 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from alignlit.data.tokenizer import load_tokenizer
 from alignlit.models.tiny import TinyLlama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,16 +27,6 @@ def _check_dir(path: str | Path, what: str) -> Path:
             "Hugging Face directories (nothing is downloaded)"
         )
     return p
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local directory and make sure it can pad."""
-    tok = AutoTokenizer.from_pretrained(str(_check_dir(path, "tokenizer")))
-    if tok.pad_token is None:
-        if tok.eos_token is None:
-            raise ValueError(f"tokenizer at {path} has neither a pad nor an eos token")
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def load_policy(

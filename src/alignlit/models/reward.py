@@ -114,9 +114,14 @@ def load_reward_model(
     dtype: str = "float32",
     device: str = "cpu",
 ) -> RewardModel:
-    """Load an exported reward model (any scalar-head Hugging Face directory) for scoring."""
+    """Load a trained reward model for scoring: the export of a reward stage, or any
+    ``…ForSequenceClassification`` directory with one label whose head weights are in the checkpoint.
+
+    A policy directory (a causal LM, no trained head) raises
+    :class:`~alignlit.models.loading.NotARewardModelError`: its scores would be those of a random head.
+    """
     p = resolve_model_path(path)
-    model, tok = load_scalar_model(p, dtype=dtype)
+    model, tok = load_scalar_model(p, head="trained", dtype=dtype)
     max_length, max_prompt_length = _lengths_from_metadata(p, max_length, max_prompt_length, model.config)
     return RewardModel(
         model, tok, max_length=max_length, max_prompt_length=max_prompt_length, batch_size=batch_size

@@ -31,12 +31,13 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from alignlit.data.sft import SFTDataModule
 from alignlit.losses.lm import masked_nll, shift_for_next_token
-from alignlit.models.forward import disable_dropout, response_logprobs
+from alignlit.models.forward import disable_dropout, eval_mode, response_logprobs
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
-from alignlit.rollout.base import SamplingParams
+from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
+from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.loop import Experience, RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
 from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
@@ -164,6 +165,10 @@ class OnlineModule(AlignModule):
             checks); default ``RolloutLoop()``.
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
         max_grad_norm: global gradient-norm clipping of each trained model (None: off).
+        tis_cap: truncated importance sampling of the rollout/trainer mismatch (algorithms.md §11):
+            each token's policy loss is weighted by ``min(π_old(y_t)/μ(y_t), C)``, ``μ`` the engine's
+            sampling distribution, ``C = tis_cap`` (None: off). The mismatch itself is logged every
+            rollout either way (``mismatch/*``).
         ptx: SFT data mixed into policy updates and scored as ``val/sft_nll`` (None: off).
         prompt_filter: drop training prompts with low reward variance under the initial policy
             (ChatGLM §3.4), applied to the DataModule's ``train_prompts`` at the start of fit.
@@ -199,6 +204,7 @@ class OnlineModule(AlignModule):
         rollout: RolloutLoop | None = None,
         optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
         max_grad_norm: float | None = 1.0,
+        tis_cap: float | None = None,
         ptx: PtxMix | None = None,
         prompt_filter: PromptFilter | None = None,
         gold: RewardFn | None = None,
@@ -211,6 +217,9 @@ class OnlineModule(AlignModule):
         super().__init__(export_dir=export_dir, optim=optim)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if tis_cap is not None and tis_cap < 1:
+            raise ValueError(f"tis_cap must be >= 1 or None, got {tis_cap}")
+        self.tis_cap = tis_cap
         if reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")
         self.automatic_optimization = False
@@ -374,6 +383,37 @@ class OnlineModule(AlignModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(experience))
         shown = {name: metrics[k] for name, k in (("reward", "reward/raw"), ("kl", "kl/ref")) if k in metrics}
         self.log_dict(shown, prog_bar=True, logger=False, batch_size=len(experience))
+
+    @torch.no_grad()
+    def old_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """The trainer's ``log π_old`` of the sampled tokens and the rollout/trainer mismatch (§11).
+
+        Returns ``(old_logprobs (N, T), is_weights (N, T) or None, metrics)``: the policy's
+        teacher-forced log-probs (eval mode, on this module's device), the truncated importance
+        weights ``min(exp(log π_old - log μ), tis_cap)`` when ``tis_cap`` is set, and ``mismatch/*``
+        metrics comparing them with the engine's ``log μ`` (``rollout.logprobs``).
+        """
+        ids = [
+            t.to(self.device)
+            for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
+        ]
+        with eval_mode(self.policy):
+            old = response_logprobs(
+                self.policy, *ids, temperature=self.rollout.sampling.temperature
+            )  # (N, T)
+        engine = rollout.logprobs.to(device=self.device, dtype=old.dtype)  # (N, T)
+        mask = ids[3]
+        if not mask.any():
+            return old, None, {}
+        metrics = {
+            f"mismatch/{k.removeprefix('mismatch_')}": float(v)
+            for k, v in logprob_mismatch(old, engine, mask).items()
+        }
+        weights = None
+        if self.tis_cap is not None:
+            weights = truncated_is_weights(old, engine, mask, cap=self.tis_cap)  # (N, T)
+            metrics["mismatch/is_weight_mean"] = float(weights[mask].mean())
+        return old, weights, metrics
 
     def skip(self, reason: str) -> dict[str, float]:
         """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""

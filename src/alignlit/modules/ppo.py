@@ -62,6 +62,7 @@ class PPOBatch:
         rewards: (N, T) token rewards ``-β·kl_t`` plus the sequence reward on the last token.
         advantages: (N, T) GAE advantages (whitened/clipped as configured).
         returns: (N, T) GAE returns.
+        is_weights: (N, T) truncated importance weights of the rollout/trainer mismatch, or None.
     """
 
     prompt_ids: torch.Tensor
@@ -74,6 +75,7 @@ class PPOBatch:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    is_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -86,7 +88,8 @@ class PPOBatch:
     def select(self, rows: torch.Tensor) -> PPOBatch:
         """The rows ``rows`` (a (m,) index tensor) of every field."""
         rows = rows.to(self.prompt_ids.device)
-        return PPOBatch(**{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PPOBatch(**{k: v[rows] if v is not None else None for k, v in fields.items()})
 
 
 class PPOModule(OnlineModule):
@@ -117,7 +120,7 @@ class PPOModule(OnlineModule):
         advantage_clip: clip advantages to ``±c`` after whitening (None: off).
         entropy_coef: entropy bonus ``c_H``.
         critic_pretrain_rollouts: first rollouts that train only the critic (PPO-max §5.3.3).
-        reference, rollout, optim, max_grad_norm, ptx, prompt_filter, gold, val_sampling,
+        reference, rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
             reward_batch_size, dtype, curves_file, export_dir: see
             :class:`~alignlit.modules.online.OnlineModule`.
     """
@@ -160,6 +163,7 @@ class PPOModule(OnlineModule):
         rollout: RolloutLoop | None = None,
         optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
         max_grad_norm: float | None = 1.0,
+        tis_cap: float | None = None,
         ptx: PtxMix | None = None,
         prompt_filter: PromptFilter | None = None,
         gold: RewardFn | None = None,
@@ -176,7 +180,7 @@ class PPOModule(OnlineModule):
         if critic_pretrain_rollouts < 0:
             raise ValueError(f"critic_pretrain_rollouts must be >= 0, got {critic_pretrain_rollouts}")
         super().__init__(
-            policy, reward, reference, rollout, optim, max_grad_norm, ptx, prompt_filter, gold,
+            policy, reward, reference, rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold,
             val_sampling, reward_batch_size, dtype, curves_file, export_dir,
         )  # fmt: skip
         self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
@@ -250,12 +254,13 @@ class PPOModule(OnlineModule):
         )
         mask = ids[3]
         temperature = self.rollout.sampling.temperature
-        with eval_mode(self.policy, self.reference, self.critic):
-            old_logprobs = response_logprobs(self.policy, *ids, temperature=temperature)  # (N, T)
+        old_logprobs, is_weights, metrics = self.old_logprobs(rollout)  # (N, T)
+        with eval_mode(self.reference, self.critic):
             ref_logprobs = response_logprobs(self.reference, *ids, temperature=temperature)  # (N, T)
             old_values = response_values(self.critic, *ids)  # (N, T)
 
-        shaped, metrics = self._sequence_rewards(rollout, scores)
+        shaped, shaping_metrics = self._sequence_rewards(rollout, scores)
+        metrics.update(shaping_metrics)
         self._update_moments(shaped)
         normalized = normalize_scores(shaped, self.reward_moments, mode=hp.reward_norm, clip=hp.reward_clip)
         lengths = mask.sum(-1)
@@ -282,7 +287,9 @@ class PPOModule(OnlineModule):
             advantages = whiten(advantages, mask)
         if hp.advantage_clip is not None:
             advantages = advantages.clamp(-hp.advantage_clip, hp.advantage_clip) * mask
-        batch = PPOBatch(*ids[:3], mask, old_logprobs, ref_logprobs, old_values, rewards, advantages, returns)
+        batch = PPOBatch(
+            *ids[:3], mask, old_logprobs, ref_logprobs, old_values, rewards, advantages, returns, is_weights
+        )
         seq_kl = ((old_logprobs - ref_logprobs) * mask).sum(-1)  # (N,) k1 per response
         metrics.update(
             {
@@ -319,7 +326,12 @@ class PPOModule(OnlineModule):
         )  # fmt: skip
         advantages = whiten(mb.advantages, mb.mask) if hp.advantage_norm == "minibatch" else mb.advantages
         loss, metrics = ppo_policy_loss(
-            scored.logprobs, mb.old_logprobs, advantages, mb.mask, clip_eps=hp.clip_eps
+            scored.logprobs,
+            mb.old_logprobs,
+            advantages,
+            mb.mask,
+            clip_eps=hp.clip_eps,
+            is_weights=mb.is_weights,
         )
         entropy_loss, entropy_metrics = entropy_bonus(scored.entropy, mb.mask, coef=hp.entropy_coef)
         metrics.update(entropy_metrics)

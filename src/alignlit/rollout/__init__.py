@@ -48,6 +48,6 @@ __all__ += [
     "score_texts",
 ]
 
-from alignlit.rollout.sampling import Scorer, load_scorer, sample_ranked  # noqa: E402
+from alignlit.rollout.sampling import Scorer, sample_ranked  # noqa: E402
 
-__all__ += ["Scorer", "load_scorer", "sample_ranked"]
+__all__ += ["Scorer", "sample_ranked"]

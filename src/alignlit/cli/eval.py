@@ -17,25 +17,9 @@ import torch
 
 from alignlit.data.records import parse_prompt, read_records
 from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table
+from alignlit.eval.score import rm_selector
 from alignlit.rollout.base import SamplingParams
 from alignlit.sim import load_sim
-
-
-def rm_selector(rm_dir: str):
-    """Scores for best-of-n selection by a reward model; an empty response is never selected."""
-    from alignlit.rollout.sampling import load_scorer
-
-    score = load_scorer(rm_dir)
-
-    def select(prompts, responses):
-        keep = [i for i, r in enumerate(responses) if r.strip()]
-        out = torch.full((len(responses),), float("-inf"), dtype=torch.float64)
-        if keep:
-            scores = score([prompts[i] for i in keep], [responses[i] for i in keep])
-            out[keep] = torch.as_tensor(scores, dtype=torch.float64)
-        return out.tolist()
-
-    return select
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     from alignlit.models import TinyLlama, load_policy
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("n_prompts", "max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(n < 1 for n in args.best_of):
+        parser.error(f"--best-of values must be >= 1, got {args.best_of}")
     torch.manual_seed(args.seed)
     task, manifest = load_sim(args.sim)
     prompt_file = Path(args.sim) / f"prompts_{args.split}.jsonl"
@@ -80,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
 
     names = args.name or [Path(p).name for p in args.policy]
     if len(names) != len(args.policy):
-        raise SystemExit(f"alignlit eval: {len(args.policy)} --policy but {len(names)} --name")
+        parser.error(f"{len(args.policy)} --policy but {len(names)} --name")
     candidates = [(name, path) for name, path in zip(names, args.policy)]
     if args.untrained:
         candidates.insert(0, ("untrained", TinyLlama(tokenizer=args.untrained)))

@@ -15,6 +15,7 @@ from typing import Any
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.data import make_data
 from alignlit.sim.task import SimTask
+from alignlit.sim.tokenizer import write_tokenizer
 
 
 def _default(fn: Callable[..., Any], name: str) -> Any:
@@ -130,23 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--n", type=int, default=5, help="prompts to show (default: %(default)s)")
     show.add_argument("--demos", type=int, default=4, help="demonstrations per prompt (default: %(default)s)")
     return parser
-
-
-def write_tokenizer(out_dir: str, *, vocab_size: int) -> None:
-    """Train the tokenizer for tiny policies on the SFT, pair and prompt text under ``out_dir``."""
-    from pathlib import Path
-
-    from alignlit.data.records import read_records
-    from alignlit.models.tokenizer import train_bpe_tokenizer
-
-    texts = [
-        value
-        for f in sorted(Path(out_dir).glob("*_train.jsonl"))
-        for record in read_records(f)
-        for value in record.fields.values()
-        if isinstance(value, str)
-    ]
-    train_bpe_tokenizer(texts, vocab_size=vocab_size, out_dir=Path(out_dir) / "tokenizer")
 
 
 def _fmt(value: float | None) -> str:

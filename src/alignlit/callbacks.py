@@ -1,0 +1,208 @@
+"""Callbacks every alignlit stage installs (``AlignModule.configure_callbacks``).
+
+- :class:`ExportDirCheck`: before anything trains, ``export_dir`` must be a place the export can go
+  (``""``, a file, a folder of user files or a read-only location fail at once, naming the path);
+- :class:`CheckpointStageCheck`: records the stage and module class in every checkpoint, and refuses to
+  resume from a checkpoint of another stage, or from a truncated file, naming both;
+- :class:`DivergenceMonitor`: stops a run whose loss, weights or gradients say it diverged, naming
+  the step (a learning rate of 1e6 otherwise "trains" to garbage with exit status 0).
+
+A callback of the same class given in the trainer's ``callbacks`` replaces the default one, so its
+thresholds can be set in YAML::
+
+    trainer:
+      callbacks:
+        - class_path: alignlit.callbacks.DivergenceMonitor
+          init_args: {loss_factor: 5.0, max_weight_ratio: null}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from alignlit.checkpoint_io import CHECKPOINT_KEY, check_checkpoint_module, read_checkpoint
+from alignlit.models.export import check_export_dir
+
+
+class DivergenceError(FloatingPointError):
+    """Training diverged (see :class:`DivergenceMonitor`)."""
+
+
+class ExportDirCheck(Callback):
+    """Fail before training when the stage's ``export_dir`` cannot receive its export
+    (:func:`alignlit.models.export.check_export_dir`)."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and getattr(pl_module, "export_dir", None) is not None:
+            check_export_dir(pl_module.export_dir)
+
+
+class CheckpointStageCheck(Callback):
+    """Record the stage and module class in each checkpoint (``checkpoint["alignlit"]``); before a
+    resume, check that the checkpoint file is readable and was written by the same stage."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        path = trainer.ckpt_path
+        if stage != "fit" or not path or not isinstance(path, str) or "://" in path:
+            return
+        checkpoint = read_checkpoint(path, map_location="cpu", mmap=True)
+        check_checkpoint_module(checkpoint, type(pl_module), path)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        cls = type(pl_module)
+        checkpoint[CHECKPOINT_KEY] = {
+            "stage": getattr(pl_module, "stage", None),
+            "module": f"{cls.__module__}.{cls.__qualname__}",
+        }
+
+
+def _global_norm(tensors) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [t.detach().float() for t in local if t.numel()]
+    if not local:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t).cpu() for t in local]))
+
+
+class DivergenceMonitor(Callback):
+    """Stop training with a :class:`DivergenceError` naming the step when it has diverged.
+
+    Three signs, each checked after every optimizer step (automatic and manual optimisation alike):
+
+    - a non-finite gradient norm (not checked under fp16 loss scaling, which skips such steps itself);
+    - the training loss far above where it started: the mean of the last ``window`` losses exceeds the
+      first loss of the run by more than ``loss_factor · max(|first|, 1)``. The loss is what
+      ``training_step`` returns, else the logged ``monitor`` metric (online stages log theirs);
+    - the trainable weights' norm grown past ``max_weight_ratio`` times its value at the start of fit,
+      or a gradient norm of exactly 0 for ``dead_steps`` optimizer steps in a row (a saturated network:
+      with lr 1e6 a tiny Llama's loss stays at ln(vocab) while its weights reach ~1e9).
+
+    The defaults never fire on the quickstart and the test runs (healthy loss curves fall; weight norms
+    change by tens of percent), and fire at the first step on a learning rate of 1e6.
+
+    Args:
+        window: consecutive steps whose mean loss is compared with the first loss.
+        loss_factor: how far above the first loss the windowed mean may rise, in units of
+            ``max(|first loss|, 1)`` (None: no loss check).
+        max_weight_ratio: largest allowed ``‖θ_t‖ / ‖θ_0‖`` over trainable parameters (None: no check).
+        dead_steps: consecutive optimizer steps with an exactly-zero gradient norm that count as a dead
+            network (0: no check).
+        check_every: the weight norm is computed every this many optimizer steps.
+        monitor: the logged metric read when ``training_step`` returns no loss.
+    """
+
+    def __init__(
+        self,
+        window: int = 20,
+        loss_factor: float | None = 3.0,
+        max_weight_ratio: float | None = 100.0,
+        dead_steps: int = 10,
+        check_every: int = 1,
+        monitor: str = "train/loss",
+    ):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if loss_factor is not None and not loss_factor > 0:
+            raise ValueError(f"loss_factor must be > 0 or null, got {loss_factor}")
+        if max_weight_ratio is not None and not max_weight_ratio > 1:
+            raise ValueError(f"max_weight_ratio must be > 1 or null, got {max_weight_ratio}")
+        if dead_steps < 0 or check_every < 1:
+            raise ValueError(f"dead_steps must be >= 0 and check_every >= 1, got {dead_steps}, {check_every}")
+        self.window, self.loss_factor, self.max_weight_ratio = window, loss_factor, max_weight_ratio
+        self.dead_steps, self.check_every, self.monitor = dead_steps, check_every, monitor
+        self.start_loss: float | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+        self.weight_norm0: float | None = None
+        self.zero_grad_run = 0
+
+    # ---------------------------------------------------------------- state (exact across resume)
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "start_loss": self.start_loss,
+            "recent": list(self.recent),
+            "weight_norm0": self.weight_norm0,
+            "zero_grad_run": self.zero_grad_run,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start_loss = state["start_loss"]
+        self.recent = deque(state["recent"], maxlen=self.window)
+        self.weight_norm0 = state["weight_norm0"]
+        self.zero_grad_run = state["zero_grad_run"]
+
+    # ---------------------------------------------------------------- checks
+    @staticmethod
+    def _trainable(pl_module) -> list[torch.Tensor]:
+        return [p for p in pl_module.parameters() if p.requires_grad]
+
+    def _fail(self, trainer, what: str) -> None:
+        raise DivergenceError(
+            f"training diverged at global step {trainer.global_step}: {what}. Lower the learning rate "
+            "(or enable gradient clipping); the thresholds are alignlit.callbacks.DivergenceMonitor's"
+        )
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.max_weight_ratio is not None and self.weight_norm0 is None:
+            self.weight_norm0 = float(_global_norm(self._trainable(pl_module)))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        norm = float(_global_norm(grads))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if not math.isfinite(norm) and scaler is None:
+            self._fail(trainer, f"the gradient norm is {norm}")
+        self.zero_grad_run = self.zero_grad_run + 1 if norm == 0.0 else 0
+        if self.dead_steps and self.zero_grad_run >= self.dead_steps:
+            self._fail(
+                trainer,
+                f"the gradient norm has been exactly 0 for {self.zero_grad_run} optimizer steps (a saturated "
+                "network that no longer learns)",
+            )
+
+    def _loss(self, trainer, outputs) -> float | None:
+        value = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not torch.is_tensor(value):
+            value = trainer.callback_metrics.get(self.monitor)
+        if not torch.is_tensor(value) or value.numel() != 1:
+            return None
+        return float(value.detach())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = self._loss(trainer, outputs)
+        if loss is not None and self.loss_factor is not None and math.isfinite(loss):
+            if self.start_loss is None:
+                self.start_loss = loss
+            self.recent.append(loss)
+            start = self.start_loss
+            limit = start + self.loss_factor * max(abs(start), 1.0)
+            mean = sum(self.recent) / len(self.recent)
+            if len(self.recent) == self.window and mean > limit:
+                self._fail(
+                    trainer,
+                    f"the mean training loss of the last {self.window} steps is {mean:.4g}, above "
+                    f"{limit:.4g} (the first loss {start:.4g} + {self.loss_factor} x max(|first|, 1))",
+                )
+        if self.weight_norm0 and trainer.global_step % self.check_every == 0:
+            norm = float(_global_norm(self._trainable(pl_module)))
+            if not math.isfinite(norm) or norm > self.max_weight_ratio * self.weight_norm0:
+                self._fail(
+                    trainer,
+                    f"the trainable weights' norm is {norm:.4g}, {norm / self.weight_norm0:.3g} times its "
+                    f"start {self.weight_norm0:.4g} (limit {self.max_weight_ratio}x)",
+                )
+
+
+def default_callbacks(trainer) -> list[Callback]:
+    """The callbacks :class:`alignlit.modules.base.AlignModule` installs: those of the classes above
+    that ``trainer`` does not already have (a configured one is kept with its settings)."""
+    present = {type(c) for c in (trainer.callbacks if trainer is not None else [])}
+    return [cls() for cls in (ExportDirCheck, CheckpointStageCheck, DivergenceMonitor) if cls not in present]

@@ -1,0 +1,49 @@
+"""Argument checks shared across layers (this module imports nothing from alignlit)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+#: the largest learning rate accepted: an AdamW step moves each weight by about ``lr``, so anything
+#: above this is a typo, and ~1e38 overflows float32 inside the optimizer
+MAX_LR = 10.0
+
+
+def validate_optimizer_args(
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: Sequence[float] = (0.9, 0.999),
+    *,
+    eps: float | None = None,
+    warmup_steps: int | None = None,
+    min_lr_ratio: float | None = None,
+    max_lr: float = MAX_LR,
+    prefix: str = "optim.",
+) -> None:
+    """Raise ``ValueError`` naming the field (``{prefix}lr``, ...) for optimizer settings AdamW cannot
+    use: a learning rate that is not finite, not > 0 or above ``max_lr`` (``lr: 1e38`` overflows inside
+    AdamW), a negative or non-finite weight decay, betas outside [0, 1), ``eps`` <= 0, negative warmup,
+    or a final-LR ratio outside [0, 1]."""
+
+    def bad(field: str, value, rule: str) -> ValueError:
+        return ValueError(f"{prefix}{field} must be {rule}, got {value!r}")
+
+    if (
+        isinstance(lr, bool)
+        or not isinstance(lr, (int, float))
+        or not math.isfinite(lr)
+        or not 0 < lr <= max_lr
+    ):
+        raise bad("lr", lr, f"a finite number in (0, {max_lr:g}]")
+    if not isinstance(weight_decay, (int, float)) or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise bad("weight_decay", weight_decay, "a finite number >= 0")
+    betas = tuple(betas)
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise bad("betas", betas, "two numbers in [0, 1)")
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        raise bad("eps", eps, "a finite number > 0")
+    if warmup_steps is not None and (isinstance(warmup_steps, bool) or warmup_steps < 0):
+        raise bad("warmup_steps", warmup_steps, "an integer >= 0")
+    if min_lr_ratio is not None and not (math.isfinite(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
+        raise bad("min_lr_ratio", min_lr_ratio, "in [0, 1]")

@@ -1,0 +1,93 @@
+"""``alignlit fit|validate|test|predict``: LightningCLI over alignlit's stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from alignlit.checkpoint_io import AtomicCheckpointIO, check_checkpoint_module, read_checkpoint
+from alignlit.modules.base import AlignModule
+
+
+class AlignCLI(LightningCLI):
+    """LightningCLI over alignlit's stages: ``model: class_path: alignlit.modules.<Stage>``.
+
+    On top of LightningCLI it
+
+    - installs :class:`~alignlit.checkpoint_io.AtomicCheckpointIO` (checkpoints written beside their
+      destination, fsynced and renamed into place) unless the config names another ``CheckpointIO``;
+    - checks a ``--ckpt_path`` before anything is built: a truncated or foreign file, or a checkpoint
+      of another stage than the config's ``model``, is an error naming the file and both classes;
+    - refuses ``--trainer.logger false`` without ``--trainer.default_root_dir``: without a logger,
+      Lightning writes checkpoints, curves and ``config.yaml`` into the current directory;
+    - records the full parsed config, so the stage's export says how it was made.
+    """
+
+    def __init__(self, args=None, run: bool = True):
+        super().__init__(
+            model_class=AlignModule,
+            datamodule_class=LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"use_distributed_sampler": False},
+            args=args,
+            run=run,
+        )
+
+    def _parse_ckpt_path(self) -> None:
+        sub = self.config.get("subcommand")
+        ckpt_path = self.config[sub].get("ckpt_path") if sub else None
+        if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
+            path = Path(ckpt_path)
+            if not path.is_file():
+                self.parser.error(f"--ckpt_path {ckpt_path}: no such checkpoint file")
+            checkpoint = read_checkpoint(path, map_location="cpu", mmap=True)
+            model = self.config[sub].get("model")
+            class_path = getattr(model, "class_path", None) if model is not None else None
+            if class_path:
+                check_checkpoint_module(checkpoint, class_path, path)
+        super()._parse_ckpt_path()
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+        logger = config.get("logger")
+        if (logger is False or logger == []) and not config.get("default_root_dir"):
+            self.parser.error(
+                "--trainer.logger false needs --trainer.default_root_dir DIR: without a logger, checkpoints "
+                "without a dirpath, curves and config.yaml would be written into the current directory"
+            )
+        plugins = config.get("plugins")
+        plugins = (
+            [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        )
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        config["plugins"] = plugins
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _record_config(self) -> None:
+        sub = self.config.get("subcommand")
+        cfg = self.config[sub] if sub else self.config
+        self.model.cli_config = _to_plain(cfg)
+
+    def before_fit(self) -> None:
+        self._record_config()
+
+
+def _to_plain(ns):
+    from jsonargparse import Namespace
+
+    if isinstance(ns, Namespace):
+        return {k: _to_plain(v) for k, v in vars(ns).items() if not k.startswith("__")}
+    if isinstance(ns, dict):
+        return {k: _to_plain(v) for k, v in ns.items()}
+    if isinstance(ns, (list, tuple)):
+        return [_to_plain(v) for v in ns]
+    if isinstance(ns, (str, int, float, bool)) or ns is None:
+        return ns
+    return str(ns)
