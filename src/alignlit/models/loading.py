@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     PreTrainedModel,
@@ -14,7 +17,7 @@ from transformers import (
 )
 
 from alignlit.data.tokenizer import load_tokenizer
-from alignlit.models.tiny import TinyLlama
+from alignlit.models.export import interrupted_export_message, read_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,6 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _check_dir(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not p.is_dir():
+        hint = interrupted_export_message(p)
+        if hint is not None:
+            raise FileNotFoundError(f"{what} {str(path)!r}: {hint}")
         raise FileNotFoundError(
             f"{what} {str(path)!r} is not a directory; alignlit loads models and tokenizers only from local "
             "Hugging Face directories (nothing is downloaded)"
@@ -29,14 +35,13 @@ def _check_dir(path: str | Path, what: str) -> Path:
     return p
 
 
-def load_policy(
-    path: str | Path | TinyLlama, *, dtype: str = "float32"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a Hugging Face directory (any stage's export works).
 
-    ``path`` may also be a :class:`TinyLlama` spec, which builds a fresh tiny model instead.
+    ``path`` may also be a model spec with ``build() -> (model, tokenizer)`` (e.g.
+    :class:`alignlit.models.TinyLlama`), which builds a fresh model instead.
     """
-    if isinstance(path, TinyLlama):
+    if not isinstance(path, (str, os.PathLike)) and hasattr(path, "build"):
         return path.build()
     p = _check_dir(path, "policy")
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
@@ -46,18 +51,65 @@ def load_policy(
     return model, tok
 
 
-def load_scalar_model(
-    path: str | Path, *, dtype: str = "float32"
-) -> tuple[ScalarHeadModel, PreTrainedTokenizerBase]:
-    """Load a scalar-head model (reward model or critic).
+#: stages whose export is a trained scalar-head model
+REWARD_STAGES = frozenset({"reward"})
 
-    From a causal-LM directory (e.g. the SFT export) the backbone is kept and a fresh linear head
-    is added; from an exported reward model the trained head is loaded too. Any encoder with a
-    sequence-classification class (e.g. MiniLM) works as well.
+HeadMode = Literal["trained", "fresh"]
+
+
+class NotARewardModelError(ValueError):
+    """A directory loaded as a reward model (or trained critic) holds no trained scalar head."""
+
+
+def _has_trained_head_config(path: Path) -> tuple[bool, str]:
+    """Whether ``path`` claims a trained scalar head (reward-stage metadata, or a
+    ``…ForSequenceClassification`` config with one label), and what it is, for messages."""
+    stage = read_metadata(path).get("stage")
+    config = AutoConfig.from_pretrained(str(path))
+    archs = list(getattr(config, "architectures", None) or [])
+    what = f"{', '.join(archs) or type(config).__name__}" + (f", alignlit stage {stage!r}" if stage else "")
+    seq_cls = any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1
+    return stage in REWARD_STAGES or seq_cls, what
+
+
+def load_scalar_model(
+    path: str | Path, *, head: HeadMode = "fresh", dtype: str = "float32"
+) -> tuple[ScalarHeadModel, PreTrainedTokenizerBase]:
+    """Load a scalar-head model (reward model or critic) as a :class:`ScalarHeadModel`.
+
+    Args:
+        path: a local Hugging Face directory.
+        head: ``"trained"`` requires a trained scalar head: the export of a reward stage, or a
+            ``…ForSequenceClassification`` with ``num_labels`` 1, *and* the head's weights in the
+            checkpoint (the loader's missing keys are checked, not only the config); anything else
+            (a policy, a pairwise preference model, a bare encoder) raises
+            :class:`NotARewardModelError`. ``"fresh"`` accepts a backbone: a causal-LM directory
+            (e.g. the SFT export) gets a freshly initialised linear head, to be trained (a reward
+            model's start, or a PPO critic started from the policy); a head the checkpoint holds is
+            loaded. Any encoder with a sequence-classification class (e.g. MiniLM) works as well.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
     """
+    if head not in ("trained", "fresh"):
+        raise ValueError(f"head must be 'trained' or 'fresh', got {head!r}")
     p = _check_dir(path, "model")
+    if head == "trained":
+        claims, what = _has_trained_head_config(p)
+        if not claims:
+            raise NotARewardModelError(
+                f"{p} is not a reward model: it is a {what} with no trained scalar head, so its scores would "
+                "come from a randomly initialised head. Give the export of a reward stage "
+                "(alignlit.modules.RewardModule) or a …ForSequenceClassification directory with num_labels 1"
+            )
     tok = load_tokenizer(p)
-    hf = AutoModelForSequenceClassification.from_pretrained(str(p), num_labels=1, dtype=DTYPES[dtype])
+    hf, info = AutoModelForSequenceClassification.from_pretrained(
+        str(p), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
+    )
+    if head == "trained" and info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise NotARewardModelError(
+            f"{p} is not a usable reward model: its config names a scalar head but the checkpoint lacks the "
+            f"weights {missing[:4]}{' ...' if len(missing) > 4 else ''}, which would be freshly initialised"
+        )
     if hf.config.pad_token_id is None:
         hf.config.pad_token_id = tok.pad_token_id
     return ScalarHeadModel(hf), tok

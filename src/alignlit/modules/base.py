@@ -218,14 +218,6 @@ class AlignModule(L.LightningModule):
 
         return default_callbacks(self._trainer)
 
-    def configure_callbacks(self):
-        """alignlit's guards (:func:`alignlit.callbacks.default_callbacks`): ``export_dir`` checked before
-        training, checkpoints stamped with their stage and checked before a resume, divergence stops
-        the run naming the step. One of the same class in the trainer's callbacks is kept instead."""
-        from alignlit.callbacks import default_callbacks
-
-        return default_callbacks(self._trainer)
-
     def on_fit_end(self) -> None:
         if not self.export_dir:
             return
