@@ -139,12 +139,15 @@ def test_loader_state_counts_trained_batches():
     loader = ResumableDataLoader(list(range(10)), batch_size=2, sampler=s)
     it = iter(loader)
     next(it), next(it)
-    assert loader.state_dict() == {"epoch": 0, "batches": 2}
-    fresh = ResumableDataLoader(
-        list(range(10)), batch_size=2, sampler=ResumableSampler(10, shuffle=False, seed=0)
-    )
-    fresh.load_state_dict({"epoch": 0, "batches": 2})
-    assert [b.tolist() for b in fresh] == [[4, 5], [6, 7], [8, 9]]
+    state = loader.state_dict()  # torchdata's StatefulDataLoader state; the sampler's pass inside it
+    assert state["_num_yielded"] == 2
+    assert state["_sampler_iter_state"]["sampler_iter_state"] == {"epoch": 0, "yielded": 4}
+    for saved in (state, {"epoch": 0, "batches": 2}):  # and the state alignlit's loaders wrote before
+        fresh = ResumableDataLoader(
+            list(range(10)), batch_size=2, sampler=ResumableSampler(10, shuffle=False, seed=0)
+        )
+        fresh.load_state_dict(saved)
+        assert [b.tolist() for b in fresh] == [[4, 5], [6, 7], [8, 9]]
 
 
 def _sft_rows(n):

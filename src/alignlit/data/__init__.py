@@ -1,38 +1,8 @@
 """Record formats, tokenisation with an explicit truncation policy, and DataModules."""
 
+from alignlit.data.base import AlignDataModule, read_split, resolve_tokenizer, split_indices
 from alignlit.data.encoding import Encoded, LMBatch, Truncation, collate_lm, pad_left, pad_right
-from alignlit.data.records import (
-    DataError,
-    Record,
-    parse_prompt,
-    parse_prompt_response,
-    read_records,
-    split_hh,
-)
-from alignlit.data.sampler import ResumableDataLoader, ResumableSampler, make_loader
-from alignlit.data.sft import PromptDataModule, SFTDataModule, split_indices
-
-__all__ = [
-    "DataError",
-    "Encoded",
-    "LMBatch",
-    "PromptDataModule",
-    "Record",
-    "ResumableDataLoader",
-    "ResumableSampler",
-    "SFTDataModule",
-    "Truncation",
-    "collate_lm",
-    "make_loader",
-    "pad_left",
-    "pad_right",
-    "parse_prompt",
-    "parse_prompt_response",
-    "read_records",
-    "split_hh",
-    "split_indices",
-]
-
+from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, read_ranked
 from alignlit.data.preference import (
     PairEncoder,
     PairError,
@@ -41,33 +11,61 @@ from alignlit.data.preference import (
     parse_pairs,
 )
 from alignlit.data.processing import Pair, balance_lengths, drop_cycles, drop_duplicates, drop_ties
+from alignlit.data.prompts import PromptTruncation, truncate_prompts
+from alignlit.data.ranking import RankingBatch, RankingDataModule
+from alignlit.data.records import (
+    DataError,
+    Record,
+    parse_prompt,
+    parse_prompt_response,
+    read_records,
+    records_from_memory,
+    split_hh,
+)
+from alignlit.data.sampler import ResumableDataLoader, ResumableSampler, make_loader
+from alignlit.data.sft import PromptDataModule, SFTDataModule
+from alignlit.data.tokenizer import load_tokenizer
 
-__all__ += [
+__all__ = [
+    "AlignDataModule",
+    "DataError",
+    "Encoded",
+    "LMBatch",
     "Pair",
     "PairEncoder",
     "PairError",
     "PreferenceBatch",
     "PreferenceDataModule",
-    "balance_lengths",
-    "drop_cycles",
-    "drop_duplicates",
-    "drop_ties",
-    "parse_pairs",
-]
-
-from alignlit.data.pairs_from_rm import (  # noqa: E402
-    RankedGroup,
-    best_of_n_records,
-    best_worst_pairs,
-    read_ranked,
-)
-from alignlit.data.ranking import RankingBatch, RankingDataModule  # noqa: E402
-
-__all__ += [
+    "PromptDataModule",
+    "PromptTruncation",
     "RankedGroup",
     "RankingBatch",
     "RankingDataModule",
+    "Record",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "SFTDataModule",
+    "Truncation",
+    "balance_lengths",
     "best_of_n_records",
     "best_worst_pairs",
+    "collate_lm",
+    "drop_cycles",
+    "drop_duplicates",
+    "drop_ties",
+    "load_tokenizer",
+    "make_loader",
+    "pad_left",
+    "pad_right",
+    "parse_pairs",
+    "parse_prompt",
+    "parse_prompt_response",
     "read_ranked",
+    "read_records",
+    "read_split",
+    "records_from_memory",
+    "resolve_tokenizer",
+    "split_hh",
+    "split_indices",
+    "truncate_prompts",
 ]

@@ -18,13 +18,13 @@ model or any scorer), as written by ``alignlit sample``::
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignlit.data.args import number_problem
 from alignlit.data.records import Record, read_records
 
 
@@ -59,14 +59,19 @@ class RankedGroup:
         """Parse a ``{"prompt", "responses", "scores"[, "lengths"]}`` record; errors name row and field."""
         prompt = record.text("prompt")
         responses = _list_field(record, "responses", str)
-        scores = [float(s) for s in _list_field(record, "scores", (int, float))]
-        if any(not math.isfinite(s) for s in scores):
-            raise record.error("scores", f"must be finite numbers, got {scores}")
+        raw_scores = _list_field(record, "scores", (int, float))
+        for i, s in enumerate(raw_scores):
+            problem = number_problem(s)
+            if problem is not None:
+                raise record.error("scores", f"item {i} {problem}")
+        scores = [float(s) for s in raw_scores]
         if len(scores) != len(responses):
             raise record.error("scores", f"has {len(scores)} entries for {len(responses)} responses")
         lengths = None
         if "lengths" in record.fields:
             lengths = [int(n) for n in _list_field(record, "lengths", int)]
+            if any(n < 0 for n in lengths):
+                raise record.error("lengths", f"must be token counts >= 0, got {lengths}")
             if len(lengths) != len(responses):
                 raise record.error("lengths", f"has {len(lengths)} entries for {len(responses)} responses")
         return cls(prompt, responses, scores, lengths, record.source)

@@ -22,23 +22,24 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 
-from alignlit.data.encoding import Encoded, LMBatch, Overflow, Truncation, pad_right
+from alignlit.data.args import check_int, number_problem
+from alignlit.data.base import AlignDataModule
+from alignlit.data.encoding import Encoded, LMBatch, Overflow, Truncation, check_lengths, pad_right
 from alignlit.data.processing import (
     Pair,
     balance_lengths,
+    check_bucket_edges,
     cycle_members,
     drop_cycles,
     drop_duplicates,
     drop_ties,
     is_tie,
 )
-from alignlit.data.records import HH_ASSISTANT, DataError, Record, read_records
+from alignlit.data.records import HH_ASSISTANT, DataError, Record
 from alignlit.data.sampler import make_loader
-from alignlit.data.sft import resolve_tokenizer, split_indices
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ def _margin(record: Record) -> float:
     value = record.fields.get("margin", 0.0)
     if value is None:
         return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise PairError(record, "margin", f"expected a number >= 0, got {value!r}", "bad_margin")
+    problem = number_problem(value)
+    if problem is not None or value < 0:
+        shown = "an integer too large for a float" if problem and "too large" in problem else repr(value)
+        raise PairError(record, "margin", f"expected a number >= 0 (finite), got {shown}", "bad_margin")
     return float(value)
 
 
@@ -167,8 +170,9 @@ def _ranked_pairs(record: Record, tokenizer, ranked_margin: bool) -> tuple[list[
     for i, (r, s) in enumerate(zip(responses, scores, strict=True)):
         if not isinstance(r, str) or not r.strip():
             raise PairError(record, "responses", f"response {i} is empty or not a string", "empty_response")
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise PairError(record, "scores", f"score {i} is {s!r}, not a number", "bad_type")
+        problem = number_problem(s)
+        if problem is not None:
+            raise PairError(record, "scores", f"score {i} {problem}", "bad_type")
     pairs, ties = [], 0
     for i in range(len(responses)):
         for j in range(i + 1, len(responses)):
@@ -236,7 +240,13 @@ class PairEncoder:
             raise ValueError(
                 f"tokenizer {type(tokenizer).__name__} has neither an EOS token nor CLS/SEP tokens"
             )
+        check_lengths(max_length, max_prompt_length, overflow, owner="PairEncoder")
         n = len(self.prefix)
+        if max_prompt_length - n < 1 or max_length - n - len(self.suffix) <= max_prompt_length - n:
+            raise ValueError(
+                f"PairEncoder: with the tokenizer's CLS and SEP tokens, max_prompt_length ({max_prompt_length}) "
+                f"must be >= 2 and < max_length - 1 ({max_length - 1})"
+            )
         self.truncation = Truncation(
             tokenizer,
             max_length=max_length - n - len(self.suffix),
@@ -359,52 +369,49 @@ def length_grouped_batches(
 class EpochGroupedBatches(torch.utils.data.Dataset):
     """Batches of similar length (:func:`length_grouped_batches`), re-formed every epoch.
 
-    Item ``i`` is the ``i``-th batch (a list of examples) of the epoch that the attached
-    :class:`~alignlit.data.ResumableSampler` is in (grouping seed ``seed + epoch``), so a resumed
-    run rebuilds the same batches. The number of batches is the same in every epoch.
+    Item ``(epoch, i)`` is the ``i``-th batch (a list of examples) of that epoch (grouping seed
+    ``seed + epoch``); a :class:`~alignlit.data.ResumableSampler` with ``yield_epoch=True`` draws such
+    keys, so a resumed run (and every DataLoader worker) rebuilds the same batches. A plain index
+    ``i`` is batch ``i`` of epoch 0; with ``regroup=False`` every epoch has epoch 0's batches. The
+    number of batches is the same in every epoch.
     """
 
     def __init__(self, examples: list[PairExample], batch_size: int, *, seed: int, regroup: bool = True):
         self.examples, self.batch_size, self.seed, self.regroup = examples, batch_size, seed, regroup
         self.lengths = [e.length for e in examples]
-        self.sampler = None
         self._epoch, self._groups = 0, length_grouped_batches(self.lengths, batch_size, seed=seed)
 
     def __len__(self) -> int:
         return len(self._groups)
 
-    def __getitem__(self, i: int) -> list[PairExample]:
-        epoch = self.sampler.epoch if self.sampler is not None and self.regroup else 0
+    def __getitem__(self, key: int | tuple[int, int]) -> list[PairExample]:
+        epoch, i = key if isinstance(key, tuple) else (0, key)
+        epoch = epoch if self.regroup else 0
         if epoch != self._epoch:
             self._epoch = epoch
             self._groups = length_grouped_batches(self.lengths, self.batch_size, seed=self.seed + epoch)
         return [self.examples[j] for j in self._groups[i]]
 
 
-class PreferenceDataModule(L.LightningDataModule):
+class PreferenceDataModule(AlignDataModule):
     """Preference pairs for reward models, pairwise preference models and DPO.
 
     Formats: HH-RLHF, generic ``{"prompt","chosen","rejected"[,"margin"]}``, ranked
     ``{"prompt","responses","scores"}`` and conversational message lists (see
-    :mod:`alignlit.data.preference`). Without a ``val_file`` a seeded ``val_fraction`` of the
-    *prompts* is held out (all pairs of a prompt stay on one side). After parsing, each split goes
-    through: dedup, tie check, cycle filter, encoding with the truncation policy; the training split
-    then through length balancing. Every drop is counted in :attr:`report` (``{"train": {...},
-    "val": {...}}``) and logged.
+    :mod:`alignlit.data.preference`); margins and scores must be finite numbers. Without validation
+    records a seeded ``val_fraction`` of the *prompts* is held out (all pairs of a prompt stay on one
+    side). After parsing, each split goes through: dedup, tie check, cycle filter, encoding with the
+    truncation policy; the training split then through length balancing. Every drop is counted in
+    :attr:`report` (``{"train": {...}, "val": {...}}``) and logged. The other arguments (files or
+    in-memory records, split, tokenizer, batch sizes, seed, workers) are those of
+    :class:`~alignlit.data.AlignDataModule`; a batch of ``batch_size`` pairs holds ``2 * batch_size``
+    sequences.
 
     Args:
-        train_file: training records.
-        val_file: validation records (default: hold out ``val_fraction`` of ``train_file``).
-        val_fraction: held-out fraction of the prompts when there is no ``val_file``.
-        tokenizer: tokenizer directory; default: the attached module's tokenizer.
         max_length: longest ``prompt + response`` in tokens, special tokens included.
-        max_prompt_length: prompts are left-truncated to this many tokens.
+        max_prompt_length: prompts are left-truncated to this many tokens (``< max_length``).
         overflow: when prompt + response exceed ``max_length``: "truncate" the response, "drop" the
             pair, or raise an "error".
-        batch_size: training pairs per batch (per device); a batch holds ``2 * batch_size`` sequences.
-        eval_batch_size: validation pairs per batch (default: ``batch_size``).
-        seed: seed of the split, shuffling, length grouping and length balancing.
-        max_examples: use only the first N records of ``train_file`` (None: all).
         skip_invalid: drop malformed records (missing fields, empty responses, HH prompts that
             differ, ...) and count them by reason, instead of raising a DataError.
         drop_ties: drop pairs whose two responses are identical (counted) instead of raising.
@@ -419,22 +426,15 @@ class PreferenceDataModule(L.LightningDataModule):
         pad_to_multiple_of: round the padded width of a batch up to a multiple of this. Fewer
             distinct shapes: on CPU the allocator then reuses memory instead of fragmenting it
             (with variable widths, peak memory grows over training); on GPUs tensor cores like it.
-        num_workers: DataLoader workers.
     """
 
     def __init__(
         self,
-        train_file: str,
-        val_file: str | None = None,
-        val_fraction: float = 0.05,
-        tokenizer: str | None = None,
+        train_file: str | None = None,
+        *,
         max_length: int = 256,
         max_prompt_length: int = 128,
         overflow: Overflow = "truncate",
-        batch_size: int = 16,
-        eval_batch_size: int | None = None,
-        seed: int = 0,
-        max_examples: int | None = None,
         skip_invalid: bool = False,
         drop_ties: bool = False,
         drop_cycles: bool = True,
@@ -444,15 +444,13 @@ class PreferenceDataModule(L.LightningDataModule):
         ranked_margin: bool = False,
         group_by_length: bool = False,
         pad_to_multiple_of: int = 1,
-        num_workers: int = 0,
+        **kwargs,
     ):
-        super().__init__()
-        if pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-        self.save_hyperparameters()
-        self.tokenizer = None
-        self.train_set: list[PairExample] = []
-        self.val_set: list[PairExample] = []
+        name = type(self).__name__
+        check_lengths(max_length, max_prompt_length, overflow, owner=name)
+        check_int("pad_to_multiple_of", pad_to_multiple_of, 1, owner=name)
+        check_bucket_edges(length_bucket_edges, owner=name)
+        super().__init__(train_file, **kwargs)
         self.report: dict[str, dict[str, int]] = {}
 
     def _parse(self, records: list[Record]) -> tuple[list[Pair], dict[str, int]]:
@@ -523,66 +521,47 @@ class PreferenceDataModule(L.LightningDataModule):
         counts["kept"] = len(examples)
         return examples
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set:
-            return
-        hp = self.hparams
-        self.tokenizer = resolve_tokenizer(self, hp.tokenizer)
-        records = read_records(hp.train_file)
-        if hp.max_examples is not None:
-            records = records[: hp.max_examples]
-        train_pairs, train_counts = self._parse(records)
-        if hp.val_file is not None:
-            val_pairs, val_counts = self._parse(read_records(hp.val_file))
+    def prepare(self, train: list[Record], val: list[Record] | None) -> tuple[list, list]:
+        train_pairs, train_counts = self._parse(train)
+        if val is not None:
+            val_pairs, val_counts = self._parse(val)
         else:
             prompts = list(dict.fromkeys(p.prompt for p in train_pairs))
-            _, val_idx = split_indices(len(prompts), hp.val_fraction, hp.seed)
-            held_out = {prompts[i] for i in val_idx}
+            held_out = set(self.hold_out(prompts)[1])
             val_pairs = [p for p in train_pairs if p.prompt in held_out]
             train_pairs = [p for p in train_pairs if p.prompt not in held_out]
             val_counts = {"pairs": len(val_pairs), "held_out_prompts": len(held_out)}
             train_counts["pairs"] = len(train_pairs)
-        self.train_set = self._process(train_pairs, "train", train_counts)
-        self.val_set = self._process(val_pairs, "val", val_counts)
         self.report = {"train": train_counts, "val": val_counts}
-        if not self.train_set:
-            raise ValueError(f"{hp.train_file}: no training pairs left; report: {train_counts}")
-        log.info(
-            "preference data: %d train / %d val pairs; report: %s",
-            len(self.train_set),
-            len(self.val_set),
-            self.report,
+        return self._process(train_pairs, "train", train_counts), self._process(val_pairs, "val", val_counts)
+
+    def drops(self) -> dict[str, int]:
+        return self.report.get("train", {})
+
+    def collate_fn(self):
+        return partial(
+            collate_preference,
+            pad_id=self.tokenizer.pad_token_id,
+            pad_to_multiple_of=self.hparams.pad_to_multiple_of,
         )
 
-    def _loader(self, data: list[PairExample], batch_size: int, shuffle: bool):
-        pad_id, multiple = self.tokenizer.pad_token_id, self.hparams.pad_to_multiple_of
-        if self.hparams.group_by_length:
-            batches = EpochGroupedBatches(data, batch_size, seed=self.hparams.seed, regroup=shuffle)
-            loader = make_loader(
-                batches,
-                batch_size=1,
-                shuffle=shuffle,
-                seed=self.hparams.seed,
-                collate_fn=partial(_collate_batch_of_one, pad_id=pad_id, pad_to_multiple_of=multiple),
-                trainer=self.trainer,
-                num_workers=self.hparams.num_workers,
-            )
-            batches.sampler = loader.sampler
-            return loader
+    def make_loader(self, data: list[PairExample], batch_size: int, *, shuffle: bool):
+        if not self.hparams.group_by_length:
+            return super().make_loader(data, batch_size, shuffle=shuffle)
+        trainer = self.trainer
+        drives = trainer is not None and shuffle and getattr(trainer, "datamodule", None) is self
         return make_loader(
-            data,
-            batch_size=batch_size,
+            EpochGroupedBatches(data, batch_size, seed=self.hparams.seed, regroup=shuffle),
+            batch_size=1,
             shuffle=shuffle,
             seed=self.hparams.seed,
-            collate_fn=partial(collate_preference, pad_id=pad_id, pad_to_multiple_of=multiple),
-            trainer=self.trainer,
+            collate_fn=partial(
+                _collate_batch_of_one,
+                pad_id=self.tokenizer.pad_token_id,
+                pad_to_multiple_of=self.hparams.pad_to_multiple_of,
+            ),
+            trainer=trainer,
             num_workers=self.hparams.num_workers,
+            yield_epoch=True,
+            epoch=trainer.current_epoch if drives else 0,
         )
-
-    def train_dataloader(self):
-        return self._loader(self.train_set, self.hparams.batch_size, True)
-
-    def val_dataloader(self):
-        if not self.val_set:
-            return []
-        return self._loader(self.val_set, self.hparams.eval_batch_size or self.hparams.batch_size, False)

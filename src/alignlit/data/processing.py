@@ -110,6 +110,18 @@ def bucket_of(diff: int, edges: Sequence[int]) -> int:
     return k
 
 
+def check_bucket_edges(edges: Sequence[int], *, owner: str = "") -> list[int]:
+    """``edges`` as a list if they are strictly increasing integers ``>= 1``; ValueError otherwise."""
+    edges = list(edges)
+    ints = all(isinstance(e, int) and not isinstance(e, bool) for e in edges)
+    if not edges or not ints or edges[0] < 1 or any(b <= a for a, b in itertools.pairwise(edges)):
+        raise ValueError(
+            f"{owner}{': ' if owner else ''}length bucket edges must be strictly increasing integers >= 1, "
+            f"got {edges}"
+        )
+    return edges
+
+
 def balance_lengths(
     chosen_lengths: Sequence[int],
     rejected_lengths: Sequence[int],
@@ -136,9 +148,7 @@ def balance_lengths(
     """
     if len(chosen_lengths) != len(rejected_lengths):
         raise ValueError(f"{len(chosen_lengths)} chosen lengths but {len(rejected_lengths)} rejected lengths")
-    edges = list(edges)
-    if not edges or edges[0] < 1 or any(b <= a for a, b in itertools.pairwise(edges)):
-        raise ValueError(f"length bucket edges must be strictly increasing integers >= 1, got {edges}")
+    edges = check_bucket_edges(edges)
     longer: dict[int, list[int]] = defaultdict(list)
     shorter: dict[int, list[int]] = defaultdict(list)
     kept = []

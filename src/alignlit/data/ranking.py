@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 
-import lightning as L
 import torch
 
-from alignlit.data.encoding import Encoded, Overflow, Truncation, pad_right
+from alignlit.data.base import AlignDataModule
+from alignlit.data.encoding import Encoded, Overflow, Truncation, check_lengths, pad_right
 from alignlit.data.pairs_from_rm import RankedGroup
-from alignlit.data.records import DataError
-from alignlit.data.sampler import make_loader
-from alignlit.data.sft import read_split, resolve_tokenizer
-
-log = logging.getLogger(__name__)
+from alignlit.data.records import DataError, Record
 
 
 @dataclass
@@ -78,130 +73,93 @@ def collate_ranking(examples: list[RankingExample], pad_id: int) -> RankingBatch
     )
 
 
-class RankingDataModule(L.LightningDataModule):
+class RankingDataModule(AlignDataModule):
     """Prompts with ``k`` scored responses each, for RRHF.
 
     Records are ``{"prompt", "responses": [...], "scores": [...]}`` (what ``alignlit sample`` writes;
-    responses from any source work: policy samples, dataset responses, other models). Every record
-    holds ``k = num_responses`` responses (default: the most any training record has; ``k >= 2``);
-    records with fewer (e.g. blank samples left out by ``alignlit sample``) are dropped, and so are
-    records with a blank response or one the truncation policy drops; every drop is counted in
-    :attr:`counts` and logged, as are truncations. EOS is appended to every response.
+    responses from any source work: policy samples, dataset responses, other models); scores must be
+    finite numbers. Every record holds ``k = num_responses`` responses (default: the most any training
+    record has; ``k >= 2``); records with fewer (e.g. blank samples left out by ``alignlit sample``)
+    are dropped, and so are records with a blank response or one the truncation policy drops; every
+    drop is counted in :attr:`counts` and logged, as are truncations. EOS is appended to every
+    response. The other arguments are those of :class:`~alignlit.data.AlignDataModule`; ``batch_size``
+    (prompts per batch, each with ``k`` responses) defaults to 8 here.
 
     Args:
-        train_file: ranked records.
-        val_file: held-out ranked records; if None, ``val_fraction`` of ``train_file`` is held out.
-        val_fraction: held-out fraction when there is no ``val_file``.
-        tokenizer: tokenizer directory; default: the policy's tokenizer.
         max_length: longest prompt + response in tokens.
-        max_prompt_length: prompts are left-truncated to this many tokens.
+        max_prompt_length: prompts are left-truncated to this many tokens (``< max_length``).
         overflow: when prompt + response exceed ``max_length``: "truncate" the response, "drop" the
             record, or raise an "error".
-        batch_size: prompts per training batch (each with ``k`` responses).
-        eval_batch_size: prompts per validation batch (default: ``batch_size``).
         num_responses: ``k``, responses per prompt (None: the most any training record has); a record
             with more is an error.
-        max_examples: use only the first N training records.
-        seed: seed of the split and of the shuffling.
     """
 
     def __init__(
         self,
-        train_file: str,
-        val_file: str | None = None,
-        val_fraction: float = 0.05,
-        tokenizer: str | None = None,
+        train_file: str | None = None,
+        *,
         max_length: int = 256,
         max_prompt_length: int = 128,
         overflow: Overflow = "truncate",
-        batch_size: int = 8,
-        eval_batch_size: int | None = None,
         num_responses: int | None = None,
-        max_examples: int | None = None,
-        seed: int = 0,
+        batch_size: int = 8,
+        **kwargs,
     ):
-        super().__init__()
-        self.save_hyperparameters()
-        self.tokenizer = None
-        self.train_set: list[RankingExample] = []
-        self.val_set: list[RankingExample] = []
+        name = type(self).__name__
+        check_lengths(max_length, max_prompt_length, overflow, owner=name)
+        if num_responses is not None and (
+            isinstance(num_responses, bool) or not isinstance(num_responses, int)
+        ):
+            raise ValueError(f"{name}: num_responses must be an integer >= 2 or None, got {num_responses!r}")
+        if num_responses is not None and num_responses < 2:
+            raise ValueError(
+                f"{name}: RRHF needs at least 2 responses per prompt, got num_responses={num_responses}"
+            )
+        super().__init__(train_file, batch_size=batch_size, **kwargs)
         self.counts: Counter[str] = Counter()
         self.k: int | None = None
+        self._dropped: Counter[str] = Counter()
+        self._truncation: Truncation | None = None
 
-    def _encode(self, groups: list[RankedGroup], trunc: Truncation, k: int) -> list[RankingExample]:
+    def encode(self, records: list[Record], split: str) -> list[RankingExample]:
+        hp = self.hparams
+        groups = [RankedGroup.from_record(r) for r in records]
+        if split == "train":
+            self.k = hp.num_responses or max((len(g.responses) for g in groups), default=0)
+            if self.k < 2:
+                raise DataError(
+                    f"{self.train_source}: RRHF needs at least 2 responses per prompt, got num_responses={self.k}"
+                )
+        if self._truncation is None:
+            self._truncation = Truncation(
+                self.tokenizer,
+                max_length=hp.max_length,
+                max_prompt_length=hp.max_prompt_length,
+                overflow=hp.overflow,
+            )
         out = []
         for group in groups:
-            if len(group.responses) > k:
+            if len(group.responses) > self.k:
                 raise DataError(
                     f"{group.source}, field 'responses': has {len(group.responses)} responses, more than "
-                    f"num_responses={k}"
+                    f"num_responses={self.k}"
                 )
-            if len(group.responses) < k:
-                self.counts["dropped_fewer_than_k_responses"] += 1
+            if len(group.responses) < self.k:
+                self._dropped["dropped_fewer_than_k_responses"] += 1
                 continue
             if any(not r.strip() for r in group.responses):
-                self.counts["dropped_blank_response"] += 1
+                self._dropped["dropped_blank_response"] += 1
                 continue
-            encoded = [trunc.encode(group.prompt, r, group.source) for r in group.responses]
+            encoded = [self._truncation.encode(group.prompt, r, group.source) for r in group.responses]
             if any(e is None for e in encoded):
-                self.counts["dropped_over_max_length"] += 1
+                self._dropped["dropped_over_max_length"] += 1
                 continue
             out.append(RankingExample(encoded, group.scores, group.prompt, group.responses))
+        self.counts = self._dropped + self._truncation.counts
         return out
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set:
-            return
-        hp = self.hparams
-        self.tokenizer = resolve_tokenizer(self, hp.tokenizer)
-        trunc = Truncation(
-            self.tokenizer,
-            max_length=hp.max_length,
-            max_prompt_length=hp.max_prompt_length,
-            overflow=hp.overflow,
-        )
-        train_recs, val_recs = read_split(
-            hp.train_file,
-            hp.val_file,
-            val_fraction=hp.val_fraction,
-            seed=hp.seed,
-            max_examples=hp.max_examples,
-        )
-        train_groups = [RankedGroup.from_record(r) for r in train_recs]
-        val_groups = [RankedGroup.from_record(r) for r in val_recs]
-        k = hp.num_responses or max((len(g.responses) for g in train_groups), default=0)
-        if k < 2:
-            raise DataError(
-                f"{hp.train_file}: RRHF needs at least 2 responses per prompt, got num_responses={k}"
-            )
-        self.k = k
-        self.train_set = self._encode(train_groups, trunc, k)
-        self.val_set = self._encode(val_groups, trunc, k)
-        if not self.train_set:
-            raise ValueError(f"{hp.train_file}: no training records left after dropping blank/overlong ones")
-        self.counts.update(trunc.counts)
-        log.info(
-            "ranking data: %d train / %d val prompts, k=%d responses each; drops/truncation: %s",
-            len(self.train_set),
-            len(self.val_set),
-            k,
-            dict(self.counts) or "none",
-        )
+    def drops(self) -> dict[str, int]:
+        return dict(self.counts)
 
-    def _loader(self, data, batch_size, shuffle):
-        return make_loader(
-            data,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=self.hparams.seed,
-            collate_fn=partial(collate_ranking, pad_id=self.tokenizer.pad_token_id),
-            trainer=self.trainer,
-        )
-
-    def train_dataloader(self):
-        return self._loader(self.train_set, self.hparams.batch_size, True)
-
-    def val_dataloader(self):
-        if not self.val_set:
-            return []
-        return self._loader(self.val_set, self.hparams.eval_batch_size or self.hparams.batch_size, False)
+    def collate_fn(self):
+        return partial(collate_ranking, pad_id=self.tokenizer.pad_token_id)

@@ -2,225 +2,143 @@
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
-import lightning as L
-import torch
+from alignlit.data.args import check_choice
+from alignlit.data.base import AlignDataModule, read_split, resolve_tokenizer, split_indices
+from alignlit.data.encoding import OVERFLOW_CHOICES, Overflow, Truncation, check_lengths, collate_lm
+from alignlit.data.prompts import PromptTruncation
+from alignlit.data.records import Record, parse_prompt, parse_prompt_response
 
-from alignlit.data.encoding import Overflow, Truncation, collate_lm
-from alignlit.data.records import parse_prompt, parse_prompt_response, read_records
-from alignlit.data.sampler import make_loader
-
-log = logging.getLogger(__name__)
-
-
-def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic seeded (train, val) split of ``range(n)``; both sides sorted."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = round(n * val_fraction)
-    return sorted(order[n_val:]), sorted(order[:n_val])
+__all__ = ["PromptDataModule", "SFTDataModule", "read_split", "resolve_tokenizer", "split_indices"]
 
 
-def read_split(
-    train_file: str, val_file: str | None, *, val_fraction: float, seed: int, max_examples: int | None = None
-) -> tuple[list, list]:
-    """(train, val) records: ``val_file`` if given, else a seeded ``val_fraction`` of ``train_file``
-    (after keeping its first ``max_examples`` records)."""
-    records = read_records(train_file)
-    if max_examples is not None:
-        records = records[:max_examples]
-    if val_file is not None:
-        return records, read_records(val_file)
-    tr, va = split_indices(len(records), val_fraction, seed)
-    return [records[i] for i in tr], [records[i] for i in va]
-
-
-def resolve_tokenizer(datamodule: L.LightningDataModule, path: str | None):
-    """The DataModule's tokenizer: from ``path`` if given, else the attached module's ``tokenizer``."""
-    if path is not None:
-        from alignlit.models import load_tokenizer
-
-        return load_tokenizer(path)
-    trainer = datamodule.trainer
-    module = trainer.lightning_module if trainer is not None else None
-    if module is None or getattr(module, "tokenizer", None) is None:
-        raise ValueError(
-            f"{type(datamodule).__name__} needs a tokenizer: pass `tokenizer: <dir>` or attach it to a "
-            "Trainer with a module that has one"
-        )
-    return module.tokenizer
-
-
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(AlignDataModule):
     """(prompt, response) pairs for supervised fine-tuning; the loss is on response tokens only.
 
-    Reads local JSONL / JSON / Parquet / ``datasets`` directories in the generic
-    ``{"prompt", "response"}`` format or the HH-RLHF dialogue format (``{"chosen": …}`` or
-    ``{"text": …}``, split at the last ``\\n\\nAssistant:``). EOS is appended to every response.
+    Records are in the generic ``{"prompt", "response"}`` format or the HH-RLHF dialogue format
+    (``{"chosen": …}`` or ``{"text": …}``, split at the last ``\\n\\nAssistant:``). EOS is appended to
+    every response. Truncations and drops are counted in :attr:`truncation_counts`. The other
+    arguments (files or in-memory records, split, tokenizer, batch sizes, seed) are those of
+    :class:`~alignlit.data.AlignDataModule`; ``batch_size`` defaults to 32 here.
 
     Args:
-        train_file: training records.
-        val_file: validation records; if None, ``val_fraction`` of ``train_file`` is held out
-            (seeded split).
-        val_fraction: held-out fraction when there is no ``val_file``.
-        tokenizer: tokenizer directory; default: the policy's tokenizer.
         max_length: longest prompt + response in tokens.
-        max_prompt_length: prompts are left-truncated to this many tokens.
+        max_prompt_length: prompts are left-truncated to this many tokens (``< max_length``).
         overflow: what to do when prompt + response exceed ``max_length``: "truncate" the response,
             "drop" the example, or raise an "error".
-        batch_size: training batch size (per device).
-        eval_batch_size: validation batch size (default: ``batch_size``).
-        max_examples: use only the first N training records (None: all).
-        seed: seed of the split and of the shuffling.
-        num_workers: DataLoader workers.
     """
 
     def __init__(
         self,
-        train_file: str,
-        val_file: str | None = None,
-        val_fraction: float = 0.05,
-        tokenizer: str | None = None,
+        train_file: str | None = None,
+        *,
         max_length: int = 256,
         max_prompt_length: int = 128,
         overflow: Overflow = "truncate",
         batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        max_examples: int | None = None,
-        seed: int = 0,
-        num_workers: int = 0,
+        **kwargs,
     ):
-        super().__init__()
-        self.save_hyperparameters()
-        self.tokenizer = None
-        self.train_set: list = []
-        self.val_set: list = []
+        check_lengths(max_length, max_prompt_length, overflow, owner=type(self).__name__)
+        super().__init__(train_file, batch_size=batch_size, **kwargs)
+        self.truncation_counts: dict[str, int] = {}
+        self._truncation: Truncation | None = None
 
-    def _encode(self, records, trunc: Truncation) -> list:
+    def encode(self, records: list[Record], split: str) -> list:
+        hp = self.hparams
+        if self._truncation is None:
+            self._truncation = Truncation(
+                self.tokenizer,
+                max_length=hp.max_length,
+                max_prompt_length=hp.max_prompt_length,
+                overflow=hp.overflow,
+            )
         out = []
         for rec in records:
             prompt, response = parse_prompt_response(rec)
-            enc = trunc.encode(prompt, response, rec.source)
+            enc = self._truncation.encode(prompt, response, rec.source)
             if enc is not None:
                 out.append(enc)
+        self.truncation_counts = dict(self._truncation.counts)
         return out
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_set:
-            return
-        hp = self.hparams
-        self.tokenizer = resolve_tokenizer(self, hp.tokenizer)
-        trunc = Truncation(
-            self.tokenizer,
-            max_length=hp.max_length,
-            max_prompt_length=hp.max_prompt_length,
-            overflow=hp.overflow,
-        )
-        train_recs, val_recs = read_split(
-            hp.train_file,
-            hp.val_file,
-            val_fraction=hp.val_fraction,
-            seed=hp.seed,
-            max_examples=hp.max_examples,
-        )
-        self.train_set = self._encode(train_recs, trunc)
-        self.val_set = self._encode(val_recs, trunc)
-        if not self.train_set:
-            raise ValueError(f"{hp.train_file}: no training examples left after the truncation policy")
-        log.info(
-            "SFT data: %d train / %d val examples; truncation: %s",
-            len(self.train_set),
-            len(self.val_set),
-            dict(trunc.counts) or "none",
-        )
-        self.truncation_counts = dict(trunc.counts)
+    def drops(self) -> dict[str, int]:
+        return self.truncation_counts
 
-    def _loader(self, data, batch_size, shuffle):
-        return make_loader(
-            data,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=self.hparams.seed,
-            collate_fn=partial(collate_lm, pad_id=self.tokenizer.pad_token_id),
-            trainer=self.trainer,
-            num_workers=self.hparams.num_workers,
-        )
-
-    def train_dataloader(self):
-        return self._loader(self.train_set, self.hparams.batch_size, True)
-
-    def val_dataloader(self):
-        if not self.val_set:
-            return []
-        return self._loader(self.val_set, self.hparams.eval_batch_size or self.hparams.batch_size, False)
+    def collate_fn(self):
+        return partial(collate_lm, pad_id=self.tokenizer.pad_token_id)
 
 
 def _collate_prompts(prompts: list[str]) -> list[str]:
     return list(prompts)
 
 
-class PromptDataModule(L.LightningDataModule):
+class PromptDataModule(AlignDataModule):
     """Prompts for online stages (PPO, online DPO/RRHF) and for sampling.
 
     Records are ``{"prompt": …}``, or any record with a ``prompt`` field, or HH-RLHF dialogues
     whose prompt is the part up to the last ``\\n\\nAssistant:``. Batches are lists of prompt
     strings; the rollout engine tokenises them. Duplicate prompts are kept (they are sampled
-    more often, as in the data).
+    more often, as in the data). With ``max_prompt_length`` set, every prompt goes through the prompt
+    truncation policy (:func:`~alignlit.data.truncate_prompts`: the longest suffix that fits, starting
+    at a turn boundary when it holds one); truncations and drops are counted in
+    :attr:`truncation_counts` and logged. The other arguments are those of
+    :class:`~alignlit.data.AlignDataModule`; here ``val_fraction`` defaults to 0 and the tokenizer is
+    needed only for ``max_prompt_length``.
 
     Args:
-        train_file: prompt records.
-        val_file: held-out prompt records (optional; else ``val_fraction`` of ``train_file``).
-        val_fraction: held-out fraction when there is no ``val_file``.
-        batch_size: prompts per rollout batch (per device).
-        max_examples: use only the first N records.
-        seed: seed of the split and shuffling.
+        max_prompt_length: the most tokens (without special tokens) a prompt may have; None: no limit.
+        overflow: for a longer prompt: "truncate" it from the left, "drop" it, or raise an "error".
     """
 
     def __init__(
         self,
-        train_file: str,
-        val_file: str | None = None,
+        train_file: str | None = None,
+        *,
+        max_prompt_length: int | None = None,
+        overflow: Overflow = "truncate",
         val_fraction: float = 0.0,
-        batch_size: int = 16,
-        max_examples: int | None = None,
-        seed: int = 0,
+        **kwargs,
     ):
-        super().__init__()
-        self.save_hyperparameters()
-        self.train_prompts: list[str] = []
-        self.val_prompts: list[str] = []
+        if max_prompt_length is not None:
+            PromptTruncation.check(max_prompt_length, overflow, owner=type(self).__name__)
+        check_choice("overflow", overflow, OVERFLOW_CHOICES, owner=type(self).__name__)
+        super().__init__(train_file, val_fraction=val_fraction, **kwargs)
+        self.truncation_counts: dict[str, int] = {}
+        self._truncation: PromptTruncation | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_prompts:
-            return
+    @property
+    def train_prompts(self) -> list[str]:
+        return self.train_set
+
+    @train_prompts.setter
+    def train_prompts(self, prompts: list[str]) -> None:
+        self.train_set = prompts
+
+    @property
+    def val_prompts(self) -> list[str]:
+        return self.val_set
+
+    @val_prompts.setter
+    def val_prompts(self, prompts: list[str]) -> None:
+        self.val_set = prompts
+
+    def uses_tokenizer(self) -> bool:
+        return self.hparams.max_prompt_length is not None
+
+    def encode(self, records: list[Record], split: str) -> list[str]:
         hp = self.hparams
-        train_recs, val_recs = read_split(
-            hp.train_file,
-            hp.val_file,
-            val_fraction=hp.val_fraction,
-            seed=hp.seed,
-            max_examples=hp.max_examples,
-        )
-        self.train_prompts = [parse_prompt(r) for r in train_recs]
-        self.val_prompts = [parse_prompt(r) for r in val_recs]
-        if not self.train_prompts:
-            raise ValueError(f"{hp.train_file}: no prompts")
+        prompts = [(parse_prompt(r), r.source) for r in records]
+        if hp.max_prompt_length is None:
+            return [p for p, _ in prompts]
+        if self._truncation is None:
+            self._truncation = PromptTruncation(self.tokenizer, hp.max_prompt_length, hp.overflow)
+        kept = [self._truncation(p, source) for p, source in prompts]
+        self.truncation_counts = dict(self._truncation.counts)
+        return [p for p in kept if p is not None]
 
-    def _loader(self, data, shuffle):
-        return make_loader(
-            data,
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            seed=self.hparams.seed,
-            collate_fn=_collate_prompts,
-            trainer=self.trainer,
-        )
+    def drops(self) -> dict[str, int]:
+        return self.truncation_counts
 
-    def train_dataloader(self):
-        return self._loader(self.train_prompts, True)
-
-    def val_dataloader(self):
-        return self._loader(self.val_prompts, False) if self.val_prompts else []
+    def collate_fn(self):
+        return _collate_prompts
