@@ -24,7 +24,7 @@ from alignlit.models.forward import (
 from alignlit.models.loading import load_scalar_model
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import Optim, check_finite
-from alignlit.modules.online import KLPenalty, OnlineModule, PtxMix, TrainedModel, _mean_metrics
+from alignlit.modules.online import KLPenalty, OnlineModule, TrainedModel, _mean_metrics
 from alignlit.ops import (
     RewardNorm,
     RunningMoments,
@@ -36,11 +36,10 @@ from alignlit.ops import (
     normalize_scores,
     whiten,
 )
-from alignlit.rollout.base import Rollout, SamplingParams
+from alignlit.rollout.base import Rollout
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.loop import Experience, RolloutLoop
-from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn, score_rollout
+from alignlit.rollout.loop import Experience
+from alignlit.rollout.reward import Reward, score_rollout
 
 AdvantageNorm = Literal["none", "batch", "minibatch"]
 BASELINE_SEED_OFFSET = 1_000_003
@@ -120,9 +119,9 @@ class PPOModule(OnlineModule):
         advantage_clip: clip advantages to ``±c`` after whitening (None: off).
         entropy_coef: entropy bonus ``c_H``.
         critic_pretrain_rollouts: first rollouts that train only the critic (PPO-max §5.3.3).
-        reference, rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
-            reward_batch_size, dtype, curves_file, export_dir: see
-            :class:`~alignlit.modules.online.OnlineModule`.
+        **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference,
+            rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
+            reward_batch_size, dtype, curves_file, export_dir).
     """
 
     stage = "ppo"
@@ -159,19 +158,7 @@ class PPOModule(OnlineModule):
         advantage_clip: float | None = None,
         entropy_coef: float = 0.0,
         critic_pretrain_rollouts: int = 0,
-        reference: str | None = None,
-        rollout: RolloutLoop | None = None,
-        optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
-        max_grad_norm: float | None = 1.0,
-        tis_cap: float | None = None,
-        ptx: PtxMix | None = None,
-        prompt_filter: PromptFilter | None = None,
-        gold: RewardFn | None = None,
-        val_sampling: SamplingParams | None = None,
-        reward_batch_size: int = 64,
-        dtype: str = "float32",
-        curves_file: str | None = None,
-        export_dir: str | None = None,
+        **kwargs,
     ):
         if advantage_norm not in ("none", "batch", "minibatch"):
             raise ValueError(f"advantage_norm must be 'none', 'batch' or 'minibatch', got {advantage_norm!r}")
@@ -179,10 +166,7 @@ class PPOModule(OnlineModule):
             raise ValueError(f"reward_norm must be 'none', 'normalize' or 'scale', got {reward_norm!r}")
         if critic_pretrain_rollouts < 0:
             raise ValueError(f"critic_pretrain_rollouts must be >= 0, got {critic_pretrain_rollouts}")
-        super().__init__(
-            policy, reward, reference, rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold,
-            val_sampling, reward_batch_size, dtype, curves_file, export_dir,
-        )  # fmt: skip
+        super().__init__(policy, reward, **kwargs)
         self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
         self.critic_optim, self.kl = critic_optim, kl
         critic_dir = critic or (reward if isinstance(reward, str) else self._policy_dir)
@@ -190,7 +174,7 @@ class PPOModule(OnlineModule):
             raise ValueError(
                 "critic: give a scalar-model directory (the policy is a TinyLlama spec, not a directory)"
             )
-        self.critic, critic_tokenizer = load_scalar_model(critic_dir, dtype=dtype)
+        self.critic, critic_tokenizer = load_scalar_model(critic_dir, dtype=kwargs.get("dtype", "float32"))
         disable_dropout(self.critic).train()
         if critic_tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(
