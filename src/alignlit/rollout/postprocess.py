@@ -72,17 +72,37 @@ def require_pad_token(tokenizer) -> int:
     return int(tokenizer.pad_token_id)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_prompts(
+    tokenizer, prompts: Sequence[str], max_length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize prompts (with the tokenizer's own special tokens) and left-pad them.
+
+    Args:
+        tokenizer: the policy's tokenizer (it must have a pad token).
+        prompts: prompt strings.
+        max_length: the most tokens (special tokens included) a prompt may have, e.g. the model's
+            positions minus the new tokens; a longer prompt is refused with a ``ValueError`` naming
+            it (truncate prompts beforehand with :func:`alignlit.data.truncate_prompts` or
+            ``PromptDataModule(max_prompt_length=...)``). None: no limit.
 
     Returns:
         ``(prompt_ids, prompt_mask)``: (B, P) long and (B, P) bool.
     """
     pad_id = require_pad_token(tokenizer)
+    if max_length is not None and (
+        isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
+    ):
+        raise ValueError(f"max_length must be an integer >= 1 or None, got {max_length!r}")
     encoded = tokenizer(list(prompts))["input_ids"]
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompts[{i}] = {prompts[i]!r} encodes to no tokens")
+        if max_length is not None and len(ids) > max_length:
+            raise ValueError(
+                f"prompts[{i}] ({prompts[i][:40]!r}...) encodes to {len(ids)} tokens, more than max_length="
+                f"{max_length}; truncate prompts first (alignlit.data.truncate_prompts, or "
+                "PromptDataModule's max_prompt_length)"
+            )
     width = max(len(ids) for ids in encoded)
     prompt_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)  # (B, P)
     prompt_mask = torch.zeros((len(encoded), width), dtype=torch.bool)  # (B, P)
