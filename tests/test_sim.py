@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from alignlit.sim import Annotator, SimTask, make_data
 from alignlit.cli.sim import main
+from alignlit.sim import Annotator, SimTask, make_data
 from alignlit.sim.task import VERBOSE_PREFIXES, VERBOSE_SUFFIXES, edit_distance, split_of
 
 SORT_CAD = "\n\nHuman: sort c a d\n\nAssistant:"
