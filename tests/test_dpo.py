@@ -1,4 +1,5 @@
-"""DPOModule: the concatenated forward, the loss selection, the precomputed reference cache, a config fit."""
+"""DPOModule: the concatenated forward, the loss selection, the precomputed reference cache, a config fit,
+dropout off, reference-free losses, custom losses with the SFT term."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 from alignlit.data import PreferenceDataModule
 from alignlit.losses import dpo_loss
 from alignlit.models import export_pretrained, load_policy, make_tiny_llama, read_metadata
+from alignlit.models.forward import token_logprobs
+from alignlit.models.reference_cache import ReferenceCache
 from alignlit.modules import Optim
-from alignlit.modules.dpo import DPOModule, ReferenceCache, pair_logprobs, token_logprobs
+from alignlit.modules.dpo import DPOModule
+from alignlit.modules.preference_objective import pair_logprobs
 from tests.conftest import TINY
 
 ROWS = [
@@ -77,20 +81,20 @@ def test_concatenated_forward_equals_separate_forwards(tmp_path, tiny_policy_dir
     batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
     model = load_policy(tiny_policy_dir)[0]
     with torch.no_grad():
-        logps, chosen_lengths = pair_logprobs(model, batch)
+        logps = pair_logprobs(model, batch)
         separate = [
-            token_logprobs(model, half.input_ids, half.attention_mask, half.loss_mask)[0].sum(-1)
+            token_logprobs(model, half.input_ids, half.attention_mask, half.loss_mask).sum()
             for half in (batch.chosen, batch.rejected)
         ]
     naive = _naive_sequence_logps(model, batch)
     b = len(batch)
     assert batch.input_ids.shape[0] == 2 * b == 2 * len(ROWS)
-    torch.testing.assert_close(logps.chosen, separate[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logps.rejected, separate[1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logps.chosen, naive[:b], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logps.rejected, naive[b:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.chosen_sum, separate[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.rejected_sum, separate[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.chosen_sum, naive[:b], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps.rejected_sum, naive[b:], atol=1e-5, rtol=1e-5)
     expected_lengths = [len(tokenizer(c, add_special_tokens=False).input_ids) + 1 for c in batch.chosen_texts]
-    assert chosen_lengths.tolist() == expected_lengths
+    assert logps.chosen_length.tolist() == expected_lengths
 
 
 def test_loss_selection_at_initialisation(tmp_path, tiny_policy_dir, tokenizer_dir):
@@ -100,7 +104,7 @@ def test_loss_selection_at_initialisation(tmp_path, tiny_policy_dir, tokenizer_d
     batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
     cases = {
         "dpo": (dict(loss_type="dpo"), math.log(2)),
-        "cdpo": (dict(loss_type="dpo", label_smoothing=0.2), math.log(2)),
+        "cdpo": (dict(loss_type="dpo", loss_args={"label_smoothing": 0.2}), math.log(2)),
         "ipo": (dict(loss_type="ipo", beta=0.1), 25.0),
     }
     for name, (kwargs, expected) in cases.items():
@@ -113,8 +117,8 @@ def test_loss_selection_at_initialisation(tmp_path, tiny_policy_dir, tokenizer_d
     module = DPOModule(str(tiny_policy_dir), precompute_reference=False, sft_weight=0.5)
     with torch.no_grad():
         loss, metrics = module.preference_loss(batch)
-        logps, lengths = pair_logprobs(module.policy, batch)
-    sft = (-logps.chosen / lengths).mean().item()
+        logps = pair_logprobs(module.policy, batch)
+    sft = (-logps.chosen_sum / logps.chosen_length).mean().item()
     assert metrics["sft_loss"].item() == pytest.approx(sft, rel=1e-5)
     assert loss.item() == pytest.approx(math.log(2) + 0.5 * sft, rel=1e-5)
 
@@ -129,7 +133,7 @@ def test_loss_with_a_different_reference(tmp_path, tiny_policy_dir, tokenizer_di
         reference=str(reference_dir),
         precompute_reference=False,
         beta=0.5,
-        label_smoothing=0.1,
+        loss_args={"label_smoothing": 0.1},
     )
     with torch.no_grad():
         loss, _ = module.preference_loss(batch)
@@ -144,12 +148,33 @@ def test_loss_with_a_different_reference(tmp_path, tiny_policy_dir, tokenizer_di
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['dpo', 'ipo'\], got 'kto'"):
+    """Every bad setting fails at construction (before any model is loaded), naming the setting."""
+    with pytest.raises(
+        ValueError,
+        match=r"loss_type 'kto' is not a registered preference loss \(one of \['dpo', 'hinge', 'ipo', 'simpo', 'slic'",
+    ):
         DPOModule("unused", loss_type="kto")
-    with pytest.raises(ValueError, match="label_smoothing \\(cDPO\\) applies to loss_type 'dpo' only"):
-        DPOModule("unused", loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"loss_args: preference loss 'ipo' has no argument 'label_smoothing' \(its arguments: beta\)",
+    ):
+        DPOModule("unused", loss_type="ipo", loss_args={"label_smoothing": 0.1})
     with pytest.raises(ValueError, match="beta must be > 0, got 0"):
         DPOModule("unused", beta=0)
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\], got 0.7"):
+        DPOModule("unused", loss_args={"label_smoothing": 0.7})
+    with pytest.raises(ValueError, match="gamma must be >= 0, got -1"):
+        DPOModule("unused", loss_type="simpo", loss_args={"gamma": -1})
+    with pytest.raises(ValueError, match=r"beta is given twice: beta=0.2 and loss_args.beta=0.3"):
+        DPOModule("unused", beta=0.2, loss_args={"beta": 0.3})
+    with pytest.raises(ValueError, match="sft_weight must be >= 0, got -1"):
+        DPOModule("unused", sft_weight=-1)
+    with pytest.raises(ValueError, match="preference loss 'dpo' needs a reference policy"):
+        DPOModule("unused", reference="none")
+    with pytest.raises(
+        ValueError, match=r"preference loss 'simpo' is reference-free: drop reference='ref/dir'"
+    ):
+        DPOModule("unused", loss_type="simpo", reference="ref/dir")
 
 
 def test_reference_cache_hit_miss_and_invalidation(tmp_path, tiny_policy_dir, tokenizer_dir, tokenizer):
@@ -182,9 +207,9 @@ def test_reference_cache_hit_miss_and_invalidation(tmp_path, tiny_policy_dir, to
     batch = _batch(data, tokenizer_dir)
     cached = first.reference_cache.lookup(batch)
     with torch.no_grad():
-        direct, _ = pair_logprobs(load_policy(policy)[0], batch)
-    torch.testing.assert_close(cached.chosen, direct.chosen, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cached.rejected, direct.rejected, atol=1e-5, rtol=1e-5)
+        direct = pair_logprobs(load_policy(policy)[0], batch)
+    torch.testing.assert_close(cached.chosen_sum, direct.chosen_sum, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached.rejected_sum, direct.rejected_sum, atol=1e-5, rtol=1e-5)
 
     def prepare(**dm_kwargs) -> DPOModule:
         module = DPOModule(str(policy))

@@ -1,6 +1,6 @@
 """Pure loss functions: each takes tensors and returns ``(loss, metrics)`` with detached metrics."""
 
-from alignlit.losses.dpo import dpo_loss, ipo_loss, rpo_sft_term
+from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_metrics, rpo_sft_term
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
 from alignlit.losses.policy_gradient import (
     LOSS_AGGREGATIONS,
@@ -17,24 +17,42 @@ from alignlit.losses.preference import (
     reward_model_loss,
     score_l2_loss,
 )
+from alignlit.losses.preference_registry import (
+    PREFERENCE_LOSSES,
+    BoundPreferenceLoss,
+    PairLogps,
+    PreferenceLoss,
+    ReferenceLogps,
+    preference_loss,
+    register_preference_loss,
+)
 from alignlit.losses.rrhf import rrhf_loss
 
 __all__ = [
     "LOSS_AGGREGATIONS",
+    "PREFERENCE_LOSSES",
+    "BoundPreferenceLoss",
     "LossAggregation",
+    "PairLogps",
+    "PreferenceLoss",
     "Reduction",
+    "ReferenceLogps",
     "ab_order_averaged_probability",
     "ab_preference_loss",
     "ab_probability",
     "bradley_terry_loss",
     "dpo_loss",
     "entropy_bonus",
+    "implicit_rewards",
     "ipo_loss",
     "masked_nll",
     "policy_gradient_loss",
     "ppo_policy_loss",
     "ppo_value_loss",
+    "preference_loss",
     "register_aggregation",
+    "register_preference_loss",
+    "reward_metrics",
     "reward_model_loss",
     "rpo_sft_term",
     "rrhf_loss",

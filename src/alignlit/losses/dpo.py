@@ -18,14 +18,15 @@ def _check_beta(beta: float) -> None:
         raise ValueError(f"beta must be > 0, got {beta}")
 
 
-def _implicit_rewards(
+def implicit_rewards(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(β(π_c - ref_c), β(π_r - ref_r))``, each (B,), after validating shapes."""
+    """DPO's implicit rewards ``(β(log π_θ(y_w|x) - log π_0(y_w|x)), β(log π_θ(y_l|x) - log π_0(y_l|x)))``,
+    each (B,), after validating that the four (B,) inputs have one shape; their difference is ``h``."""
     check_ndim("policy_chosen_logps", policy_chosen_logps, 1, "(B,)")
     check_same_shape(
         policy_chosen_logps=policy_chosen_logps,
@@ -38,22 +39,26 @@ def _implicit_rewards(
     return chosen_rewards, rejected_rewards
 
 
-def _reward_metrics(
+def reward_metrics(
     loss: torch.Tensor,
     chosen_rewards: torch.Tensor,
     rejected_rewards: torch.Tensor,
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
+    """The metrics every preference loss reports, detached: ``loss``; ``rewards/chosen`` and
+    ``rewards/rejected`` (mean rewards, (B,) inputs); ``rewards/accuracy`` (fraction of pairs whose
+    chosen reward is higher); ``rewards/margin`` (mean difference); ``logps/chosen`` and
+    ``logps/rejected`` (mean policy sequence log-probs, (B,) inputs)."""
     chosen_rewards = chosen_rewards.detach()
     rejected_rewards = rejected_rewards.detach()
-    logits = chosen_rewards - rejected_rewards  # h, (B,)
+    margins = chosen_rewards - rejected_rewards  # (B,); DPO's h
     return {
         "loss": loss.detach(),
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracy": (logits > 0).to(logits.dtype).mean(),
-        "rewards/margin": logits.mean(),
+        "rewards/accuracy": (margins > 0).to(margins.dtype).mean(),
+        "rewards/margin": margins.mean(),
         "logps/chosen": policy_chosen_logps.detach().mean(),
         "logps/rejected": policy_rejected_logps.detach().mean(),
     }
@@ -84,13 +89,13 @@ def dpo_loss(
     _check_beta(beta)
     if not 0.0 <= label_smoothing <= 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
-    chosen_rewards, rejected_rewards = _implicit_rewards(
+    chosen_rewards, rejected_rewards = implicit_rewards(
         policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta
     )
     logits = chosen_rewards - rejected_rewards  # h, (B,)
     losses = -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
     loss = losses.mean()
-    return loss, _reward_metrics(
+    return loss, reward_metrics(
         loss, chosen_rewards, rejected_rewards, policy_chosen_logps, policy_rejected_logps
     )
 
@@ -109,12 +114,12 @@ def ipo_loss(
     Arguments and metrics as in :func:`dpo_loss`.
     """
     _check_beta(beta)
-    chosen_rewards, rejected_rewards = _implicit_rewards(
+    chosen_rewards, rejected_rewards = implicit_rewards(
         policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta
     )
     logits = chosen_rewards - rejected_rewards  # h, (B,)
     loss = ((logits / beta - 1.0 / (2.0 * beta)) ** 2).mean()
-    return loss, _reward_metrics(
+    return loss, reward_metrics(
         loss, chosen_rewards, rejected_rewards, policy_chosen_logps, policy_rejected_logps
     )
 
