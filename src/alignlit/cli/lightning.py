@@ -22,6 +22,8 @@ class AlignCLI(LightningCLI):
       destination, fsynced and renamed into place) unless the config names another ``CheckpointIO``;
     - checks a ``--ckpt_path`` before anything is built: a truncated or foreign file, or a checkpoint
       of another stage than the config's ``model``, is an error naming the file and both classes;
+    - reports a stage's or DataModule's own argument error (``optim.lr must be in (0, 10]``) as a
+      command-line error, without jsonargparse's dump of the whole config;
     - refuses ``--trainer.logger false`` without ``--trainer.default_root_dir``: without a logger,
       Lightning writes checkpoints, curves and ``config.yaml`` into the current directory;
     - records the full parsed config, so the stage's export says how it was made.
@@ -54,6 +56,17 @@ class AlignCLI(LightningCLI):
                 check_checkpoint_module(checkpoint, class_path, path)
         super()._parse_ckpt_path()
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            reasons = _union_errors(str(e))
+            if not reasons:
+                raise
+            # a stage's or DataModule's own argument check, buried by jsonargparse under "Does not validate
+            # against any of the Union subtypes" and a dump of the whole config: say only what is wrong
+            self.parser.error("; ".join(reasons))
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         logger = config.get("logger")
         if (logger is False or logger == []) and not config.get("default_root_dir"):
@@ -77,6 +90,16 @@ class AlignCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._record_config()
+
+
+def _union_errors(message: str) -> list[str]:
+    """The reasons jsonargparse lists under "Errors:" when no subtype of ``X | None`` could be built
+    (without the "Expected a <class 'NoneType'>" of the ``None`` branch)."""
+    if "Does not validate against any of the Union subtypes" not in message or "Errors:" not in message:
+        return []
+    block = message.split("Errors:", 1)[1].split("Given value type:", 1)[0]
+    reasons = [line.strip()[2:].strip() for line in block.splitlines() if line.strip().startswith("- ")]
+    return [r for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
 
 
 def _to_plain(ns):
