@@ -47,6 +47,8 @@ def _fit(cwd, *extra):
         "1",
         "--trainer.logger",
         "false",
+        "--trainer.default_root_dir",
+        str(cwd),
         "--trainer.callbacks",
         "[]",
         "--trainer.enable_checkpointing",
