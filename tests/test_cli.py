@@ -25,8 +25,8 @@ def test_top_level_usage(capsys):
 
 def test_fit_help_documents_fields_from_docstrings():
     out = run_cli("fit", "--model.help", "alignlit.modules.SFTModule").stdout
-    # the text comes from the SFTModule docstring's Args section: written once
-    assert "peak AdamW learning rate" in out
+    # the text comes from the Args sections of the SFTModule and Optim docstrings: written once
+    assert "--model.optim.lr" in out and "peak learning rate" in out
     assert "--model.export_dir" in out and "where the trained policy is written" in out
 
 
