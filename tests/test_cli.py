@@ -118,3 +118,28 @@ def test_quickstart_sft_config_runs_from_the_command_line(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())["results"][0]
     assert result["samples"] == 8 and -2.0 <= result["gold"] <= 1.0
+
+
+def test_fit_installs_the_atomic_checkpoint_io(tokenizer_dir, tmp_path):
+    """`alignlit fit` writes checkpoints with AtomicCheckpointIO unless the config names another
+    CheckpointIO; the stage's guards (alignlit.callbacks) are installed too."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from alignlit.callbacks import DivergenceMonitor, ExportDirCheck
+    from alignlit.checkpoint_io import AtomicCheckpointIO
+    from alignlit.cli import AlignCLI
+
+    args = [
+        "--config",
+        str(ROOT / "configs/quickstart/sft.yaml"),
+        f"--model.init_args.policy.init_args.tokenizer={tokenizer_dir}",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+    ]
+    cli = AlignCLI(args=args, run=False)
+    assert type(cli.trainer.strategy.checkpoint_io) is AtomicCheckpointIO
+    assert {ExportDirCheck, DivergenceMonitor} <= {type(c) for c in cli.model.configure_callbacks()}
+    mine = AlignCLI(
+        args=[*args, "--trainer.plugins=lightning.pytorch.plugins.io.TorchCheckpointIO"], run=False
+    )
+    assert type(mine.trainer.strategy.checkpoint_io) is TorchCheckpointIO
