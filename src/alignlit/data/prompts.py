@@ -7,9 +7,10 @@ boundary, the cut moves forward to it so the prompt starts with a whole turn), `
 prompt, ``"error"`` raises naming its source. Truncations and drops are counted.
 
 The result is always a suffix of the original text (never re-decoded tokens), so nothing is
-invented at the cut. A pathological prompt (say 1 MB of text) is never tokenised whole: only its
-last ``(max_prompt_length + 16) * L`` characters are, where ``L`` is the longest text a single token
-of the vocabulary stands for; a prompt longer than that counts as over the limit.
+invented at the cut. A pathological prompt (say 1 MB of text) is never tokenised whole: prompts of
+up to :data:`COUNT_CHARS` characters are counted exactly, a longer one counts as over the limit, and
+truncation looks only at the last ``(max_prompt_length + 16) * L`` characters, where ``L`` is the
+longest text a single token of the vocabulary stands for (they hold more tokens than the limit).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from collections.abc import Sequence
 from alignlit.data.args import check_choice, check_int
 from alignlit.data.encoding import OVERFLOW_CHOICES, Overflow, max_token_chars, token_ids
 from alignlit.data.records import HH_HUMAN, DataError
+
+COUNT_CHARS = 100_000
+"""Prompts up to this many characters are tokenised whole to count their tokens (~0.1 s at most)."""
 
 
 class PromptTruncation:
@@ -52,12 +56,13 @@ class PromptTruncation:
         """The prompt within the limit, or None when the policy drops it."""
         if not isinstance(prompt, str):
             raise DataError(f"{source}: expected a prompt string, got {type(prompt).__name__}")
-        too_long_to_count = len(prompt) > self.window
-        text = prompt[-self.window :] if too_long_to_count else prompt
-        n = self.num_tokens(text, source)
-        if n <= self.max_prompt_length and not too_long_to_count:
-            return prompt
-        size = f"more than {self.window} characters" if too_long_to_count else f"{n} tokens"
+        if len(prompt) <= max(COUNT_CHARS, self.window):
+            n = self.num_tokens(prompt, source)
+            if n <= self.max_prompt_length:
+                return prompt
+            size = f"{n} tokens"
+        else:
+            size = f"{len(prompt)} characters (too long to tokenise whole)"
         if self.overflow == "error":
             raise DataError(
                 f"{source}: the prompt has {size}, more than max_prompt_length={self.max_prompt_length} "
@@ -66,7 +71,7 @@ class PromptTruncation:
         if self.overflow == "drop":
             self.counts["prompts_dropped_over_max_length"] += 1
             return None
-        kept = self._longest_fitting_suffix(text)
+        kept = self._longest_fitting_suffix(prompt[-self.window :])
         if not kept:
             raise DataError(
                 f"{source}: not even the prompt's last character fits in max_prompt_length="

@@ -155,7 +155,7 @@ def _read_jsonl(p: Path) -> list[Record]:
         if lineno == 1:
             line = line.removeprefix("\ufeff")
         if line.strip():
-            out.append(_parse_json_text(line, f"{p}:{lineno}"))
+            out.append(_parse_json_text(line.rstrip("\r\n"), f"{p}:{lineno}"))
     return out
 
 
