@@ -21,3 +21,7 @@ from alignlit.modules.dpo import DPOModule  # noqa: E402
 from alignlit.modules.rrhf import RRHFModule  # noqa: E402
 
 __all__ += ["DPOModule", "RRHFModule"]
+
+from alignlit.modules.policy_gradient import PolicyGradientModule  # noqa: E402
+
+__all__ += ["PolicyGradientModule"]
