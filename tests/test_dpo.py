@@ -13,7 +13,7 @@ import torch
 
 from alignlit.data import PreferenceDataModule
 from alignlit.losses import dpo_loss
-from alignlit.models import export_pretrained, load_policy, make_tiny_llama, read_metadata
+from alignlit.models import TinyLlama, export_pretrained, load_policy, make_tiny_llama, read_metadata
 from alignlit.models.forward import token_logprobs
 from alignlit.models.reference_cache import ReferenceCache
 from alignlit.modules import Optim
@@ -290,3 +290,229 @@ def test_dpo_learns_the_preferences(tmp_path, tiny_policy_dir, tokenizer_dir):
         _, metrics = module.preference_loss(_batch(data, tokenizer_dir))
     assert metrics["rewards/accuracy"].item() == 1.0
     assert metrics["rewards/margin"].item() > 1.0
+
+
+# ---------------------------------------------------------------------- dropout, reference-free, custom losses
+def _first_step_loss(module, dm) -> float:
+    """The loss the first training step returns."""
+
+    class First(L.Callback):
+        loss: float | None = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.loss is None:
+                self.loss = outputs["loss"].item()
+
+    first = First()
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[first],
+    )
+    trainer.fit(module, dm)
+    return first.loss
+
+
+@pytest.mark.parametrize("source", ["tiny_spec", "directory_with_cache"])
+def test_dropout_is_off_so_the_first_loss_is_log_2(tmp_path, tokenizer_dir, tokenizer, source):
+    """A backbone with attention_dropout = 0.1 and the reference equal to the policy: with dropout on, the
+    policy's log-probs in train mode differ from the reference's (checked first, so the test can fail) and
+    the loss is not ln 2; with dropout off h = 0 for every pair and the first loss is -log σ(0) = ln 2."""
+    model = make_tiny_llama(tokenizer, seed=0, attention_dropout=0.1, **TINY)
+    data = _pairs_file(tmp_path / "pairs.jsonl")
+    batch = _batch(data, tokenizer_dir)
+    model.train()
+    with torch.no_grad():
+        noisy = pair_logprobs(model, batch).chosen_sum
+        model.eval()
+        clean = pair_logprobs(model, batch).chosen_sum
+    assert (noisy - clean).abs().max().item() > 1e-3  # dropout is really active in train mode
+
+    if source == "tiny_spec":
+        policy = TinyLlama(tokenizer=str(tokenizer_dir), attention_dropout=0.1, seed=0, **TINY)
+        module = DPOModule(policy, precompute_reference=False, optim=Optim(lr=1e-3, warmup_steps=1))
+    else:
+        policy = tmp_path / "policy"
+        export_pretrained(model, tokenizer, policy, stage="init")
+        assert json.loads((policy / "config.json").read_text())["attention_dropout"] == 0.1
+        module = DPOModule(str(policy), optim=Optim(lr=1e-3, warmup_steps=1))
+    L.seed_everything(0)
+    loss = _first_step_loss(module, _dm(data, val_fraction=0.0))
+    assert loss == pytest.approx(math.log(2), abs=1e-6)
+    assert module.reference_cache_status == (None if source == "tiny_spec" else "miss")
+
+
+def test_reference_free_loss_builds_no_reference_and_no_cache(tmp_path, tiny_policy_dir, tokenizer_dir):
+    """SimPO: no reference model, no cache written even with precompute_reference (the default); the
+    module's loss is -log σ(β(ℓ_w/|y_w| - ℓ_l/|y_l|) - γ) from unpadded forwards and response lengths."""
+    data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
+    batch = _batch(data, tokenizer_dir)
+    module = DPOModule(str(tiny_policy_dir), loss_type="simpo", loss_args={"beta": 2.0, "gamma": 0.5})
+    assert module.reference_source is None and module.reference_model is None
+    with torch.no_grad():
+        loss, _ = module.preference_loss(batch)
+    logps = _naive_sequence_logps(load_policy(tiny_policy_dir)[0], batch)
+    lengths = batch.loss_mask[:, 1:].sum(-1).double()  # response tokens + EOS of each row
+    b = len(batch)
+    means = logps.double() / lengths
+    expected = torch.nn.functional.softplus(-(2.0 * (means[:b] - means[b:]) - 0.5)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+    module = DPOModule(str(tiny_policy_dir), loss_type="slic", reference="none")
+    _first_step_loss(module, _dm(data))
+    assert module.reference_cache is None and module.reference_model is None
+    assert not (tmp_path / "data" / ".alignlit_cache").exists()
+
+
+def test_registered_custom_loss_keeps_the_sft_term(tiny_policy_dir, tmp_path, tokenizer_dir):
+    """A loss registered from outside (the mean rejected log-prob per token, reference-free) with
+    sft_weight α = 0.5: the module's loss is that loss plus α·mean(-ℓ_w/|y_w|), which the loss itself
+    never sees."""
+    from alignlit.losses import PREFERENCE_LOSSES, register_preference_loss
+
+    @register_preference_loss("test_rejected_mean", needs_reference=False)
+    def rejected_mean(policy, reference, *, scale: float = 1.0):
+        return scale * policy.rejected_mean.mean(), {}
+
+    try:
+        batch = _batch(_pairs_file(tmp_path / "pairs.jsonl"), tokenizer_dir)
+        module = DPOModule(
+            str(tiny_policy_dir), loss_type="test_rejected_mean", loss_args={"scale": 2.0}, sft_weight=0.5
+        )
+        with torch.no_grad():
+            loss, metrics = module.preference_loss(batch)
+            logps = pair_logprobs(module.policy, batch)
+        custom = 2.0 * logps.rejected_mean.mean().item()
+        sft = (-logps.chosen_sum / logps.chosen_length).mean().item()
+        assert metrics["preference_loss"].item() == pytest.approx(custom, rel=1e-6)
+        assert metrics["sft_loss"].item() == pytest.approx(sft, rel=1e-6)
+        assert loss.item() == pytest.approx(custom + 0.5 * sft, rel=1e-6)
+        assert metrics["loss"].item() == pytest.approx(loss.item())
+    finally:
+        del PREFERENCE_LOSSES["test_rejected_mean"]
+
+
+class MarginDPO:
+    """A loss object for a YAML class_path: DPO with a target margin, -log σ(h - margin)."""
+
+    def __init__(self, beta: float = 0.1, margin: float = 0.0):
+        self.beta, self.margin = beta, margin
+
+    def __call__(self, policy, reference):
+        h = self.beta * (
+            (policy.chosen_sum - reference.chosen_sum) - (policy.rejected_sum - reference.rejected_sum)
+        )
+        loss = torch.nn.functional.softplus(-(h - self.margin)).mean()
+        return loss, {"rewards/margin": h.mean()}
+
+
+def test_class_path_loss_from_the_command_line(tmp_path, tiny_policy_dir, tokenizer_dir, capsys):
+    """`loss_type: {class_path, init_args}` builds the object; at h = 0 the loss is softplus(margin):
+    margin 1 -> log(1 + e) = 1.3132617. `reference: none` with a loss that needs one is refused."""
+    from alignlit.cli import AlignCLI
+
+    data = _pairs_file(tmp_path / "pairs.jsonl")
+    args = [
+        "--config",
+        "configs/quickstart/dpo.yaml",
+        f"--model.init_args.policy={tiny_policy_dir}",
+        f"--data.init_args.train_file={data}",
+        "--model.init_args.loss_args=null",
+        "--model.init_args.sft_weight=0",
+        "--model.init_args.precompute_reference=false",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    loss_type = "--model.init_args.loss_type={class_path: tests.test_dpo.MarginDPO, init_args: {margin: 1.0}}"
+    cli = AlignCLI(args=[*args, loss_type], run=False)
+    module = cli.model
+    assert (
+        isinstance(module.objective.loss.fn, MarginDPO)
+        and module.objective.name == "tests.test_dpo.MarginDPO"
+    )
+    assert module.objective.loss.fn.margin == 1.0 and module.reference_model is not None
+    with torch.no_grad():
+        loss, _ = module.preference_loss(_batch(data, tokenizer_dir))
+    assert loss.item() == pytest.approx(1.3132617, rel=1e-5)
+    with pytest.raises(SystemExit):
+        AlignCLI(args=[*args, "--model.init_args.reference=none"], run=False)
+    assert "preference loss 'dpo' needs a reference policy" in capsys.readouterr().err
+    cli = AlignCLI(
+        args=[*args, "--model.init_args.loss_type=simpo", "--model.init_args.reference=none"], run=False
+    )
+    assert cli.model.reference_source is None
+
+
+def test_cache_dir_is_configurable_and_foreign_files_are_kept(tmp_path, tiny_policy_dir, tokenizer_dir):
+    """With reference_cache_dir the cache goes there. On invalidation only the stale cache this class
+    wrote is removed: a file with a similar name, one with the exact name pattern but other content, and
+    an unrelated file all stay."""
+    data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
+    cache_dir = tmp_path / "caches"
+    cache_dir.mkdir()
+    foreign = [cache_dir / "ref_logps-pairs.jsonl-notes.pt", cache_dir / "notes.txt"]
+    for path in foreign:
+        path.write_text("not a cache")
+    lookalike = cache_dir / f"ref_logps-pairs.jsonl-{'0' * 20}.pt"
+    torch.save({"keys": ["a"], "logps": torch.zeros(1)}, lookalike)  # no alignlit marker
+    foreign.append(lookalike)
+
+    def prepare() -> DPOModule:
+        module = DPOModule(str(tiny_policy_dir), reference_cache_dir=str(cache_dir))
+        dm = _dm(data, tokenizer_dir)
+        dm.setup()
+        module.prepare_reference(dm)
+        return module
+
+    first = prepare()
+    assert first.reference_cache_status == "miss" and first.reference_cache_path.parent == cache_dir
+    _pairs_file(data, ROWS[:-1])  # the data changes
+    second = prepare()
+    assert second.reference_cache_status == "miss" and not first.reference_cache_path.exists()
+    assert sorted(cache_dir.iterdir()) == sorted([*foreign, second.reference_cache_path])
+    assert not (tmp_path / "data" / ".alignlit_cache").exists()
+    with pytest.raises(
+        ValueError, match=r"cannot read the reference log-prob cache .*notes\.txt \(.*\); delete it"
+    ):
+        ReferenceCache.load(cache_dir / "notes.txt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"other\.pt is not an alignlit reference log-prob cache"):
+        ReferenceCache.load(tmp_path / "other.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cdpo", "ipo", "simpo"])
+def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
+    """configs/quickstart/{cdpo,ipo,simpo}.yaml run 2 steps through the command line on a tiny policy and
+    export a policy; SimPO writes no reference cache."""
+    from alignlit.cli import main
+
+    data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
+    out = tmp_path / name
+    main(
+        [
+            "fit",
+            "--config",
+            f"configs/quickstart/{name}.yaml",
+            f"--model.init_args.policy={tiny_policy_dir}",
+            f"--model.init_args.export_dir={out}",
+            f"--data.init_args.train_file={data}",
+            "--data.init_args.val_fraction=0.25",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
+    meta = read_metadata(out)
+    assert meta["stage"] == "dpo" and meta["config"]["model"]["init_args"]["loss_type"] == name.removeprefix(
+        "c"
+    )
+    assert math.isfinite(meta["metrics"]["val/loss"])
+    assert (tmp_path / "data" / ".alignlit_cache").exists() == (name != "simpo")

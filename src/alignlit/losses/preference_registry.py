@@ -133,13 +133,16 @@ class ReferenceLogps:
 @runtime_checkable
 class PreferenceLoss(Protocol):
     """A preference loss object, for losses with state or for a YAML ``class_path``: the constructor
-    takes the hyperparameters (``init_args``), ``__call__(policy, reference)`` returns
-    ``(loss, metrics)``. A class attribute ``needs_reference = False`` marks it reference-free (it
-    then receives None)."""
+    takes the hyperparameters (``init_args``), ``__call__(policy: PairLogps, reference: ReferenceLogps
+    | None)`` returns ``(loss, metrics)``. A class attribute ``needs_reference = False`` marks it
+    reference-free (it then receives None).
 
-    def __call__(
-        self, policy: PairLogps, reference: ReferenceLogps | None
-    ) -> tuple[torch.Tensor, Metrics]: ...
+    ``__call__`` is declared with positional, unannotated parameters returning ``Any``, so that a class
+    matches whatever its parameter names and annotations (jsonargparse checks a ``class_path`` against
+    the protocol, and documents its ``init_args`` with ``--model.init_args.loss_type.help``).
+    """
+
+    def __call__(self, policy, reference, /) -> Any: ...
 
 
 PreferenceLossFn = Callable[..., tuple[torch.Tensor, Metrics]]

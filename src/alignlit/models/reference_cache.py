@@ -196,7 +196,8 @@ class ReferenceCache:
         try:
             state = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as e:  # torch raises several types for a file it cannot read
-            raise ValueError(f"cannot read the reference log-prob cache {path} ({e}); delete it") from e
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"cannot read the reference log-prob cache {path} ({reason}); delete it") from e
         if not _is_cache(state, marked=False):
             raise ValueError(f"{path} is not an alignlit reference log-prob cache; delete it or move it away")
         return cls(dict(zip(state["keys"], state["logps"].tolist())))
