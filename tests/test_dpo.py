@@ -516,3 +516,56 @@ def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
     )
     assert math.isfinite(meta["metrics"]["val/loss"])
     assert (tmp_path / "data" / ".alignlit_cache").exists() == (name != "simpo")
+
+
+class _Killed(Exception):
+    pass
+
+
+class _Record(L.Callback):
+    def __init__(self, crash_at=None):
+        self.losses, self.crash_at = [], crash_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append((trainer.global_step, outputs["loss"].item()))
+        if self.crash_at is not None and trainer.global_step == self.crash_at:
+            raise _Killed  # the process dies here, mid-epoch
+
+
+def test_dpo_resume_is_exact(tmp_path, tiny_policy_dir):
+    """DPO + SFT term with the cached reference, 4 batches an epoch: killed after the step-2 checkpoint and
+    resumed from it, the loss curve from step 3 on (across the epoch boundary) and the final weights are
+    bit-identical to an uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
+
+    def run(ckpt_dir, record, ckpt_path=None) -> DPOModule:
+        L.seed_everything(0)
+        module = DPOModule(
+            str(tiny_policy_dir), beta=0.5, sft_weight=0.5, optim=Optim(lr=1e-3, warmup_steps=2)
+        )
+        trainer = L.Trainer(
+            max_steps=6,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            gradient_clip_val=1.0,
+            limit_val_batches=0,
+            callbacks=[record, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1)],
+        )
+        trainer.fit(module, _dm(data, val_fraction=0.0, batch_size=2), ckpt_path=ckpt_path)
+        return module
+
+    full = _Record()
+    straight = run(tmp_path / "a", full)
+    with pytest.raises(_Killed):
+        run(tmp_path / "b", _Record(crash_at=3))
+    resumed_record = _Record()
+    resumed = run(tmp_path / "b", resumed_record, ckpt_path=str(tmp_path / "b" / "epoch=0-step=2.ckpt"))
+    assert resumed.reference_cache_status == "hit"
+    assert [step for step, _ in full.losses] == [1, 2, 3, 4, 5, 6]
+    assert resumed_record.losses == full.losses[2:]
+    for p, q in zip(straight.policy.parameters(), resumed.policy.parameters()):
+        assert torch.equal(p, q)
