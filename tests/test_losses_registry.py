@@ -229,6 +229,8 @@ def test_reference_free_loss_receives_none_and_reference_loss_requires_one(regis
     assert seen[-1] is None
     with pytest.raises(ValueError, match="preference loss 'dpo' needs reference log-probs, got None"):
         preference_loss("dpo")(pair([[-1.0]], [[-2.0]]), None)
+    with pytest.raises(ValueError, match="reference log-probs have 2 pairs but the policy's have 1"):
+        preference_loss("dpo")(pair([[-1.0]], [[-2.0]]), reference([-1.0, -1.0], [-1.0, -1.0]))
 
 
 def test_registration_errors(registry_cleanup):

@@ -199,8 +199,9 @@ def register_preference_loss(
 class BoundPreferenceLoss:
     """A preference loss with its hyperparameters: ``bound(policy, reference) -> (loss, metrics)``.
 
-    Calls ``fn`` with ``reference=None`` when it is reference-free, and checks what it returns: a
-    scalar loss and a dict of scalar tensors, which come back detached.
+    Calls ``fn`` with ``reference=None`` when it is reference-free (otherwise checks that ``reference``
+    has one row per pair), and checks what it returns: a scalar loss and a dict of tensors, which
+    come back detached.
 
     Attributes:
         name: the registered name, or the class/function path of a loss object.
@@ -217,6 +218,10 @@ class BoundPreferenceLoss:
     def __call__(self, policy: PairLogps, reference: ReferenceLogps | None) -> tuple[torch.Tensor, Metrics]:
         if self.needs_reference and reference is None:
             raise ValueError(f"preference loss {self.name!r} needs reference log-probs, got None")
+        if self.needs_reference and len(reference) != len(policy):
+            raise ValueError(
+                f"reference log-probs have {len(reference)} pairs but the policy's have {len(policy)}"
+            )
         out = self.fn(policy, reference if self.needs_reference else None, **self.args)
         if not (
             isinstance(out, tuple)
