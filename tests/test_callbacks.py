@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from alignlit.callbacks import (
-    CheckpointStageCheck,
+    CheckpointStageStamp,
     DivergenceError,
     DivergenceMonitor,
     ExportDirCheck,
@@ -225,10 +225,10 @@ def test_state_round_trip_and_argument_checks():
 def test_default_callbacks_keep_a_configured_one():
     mine = DivergenceMonitor(loss_factor=10.0)
     got = default_callbacks(SimpleNamespace(callbacks=[mine]))
-    assert [type(c) for c in got] == [ExportDirCheck, CheckpointStageCheck]
+    assert [type(c) for c in got] == [ExportDirCheck, CheckpointStageStamp]
     assert [type(c) for c in default_callbacks(None)] == [
         ExportDirCheck,
-        CheckpointStageCheck,
+        CheckpointStageStamp,
         DivergenceMonitor,
     ]
 

@@ -169,7 +169,7 @@ def test_not_a_lightning_checkpoint(tmp_path):
 
 
 def test_checkpoint_of_another_stage_names_both(tmp_path, tokenizer_dir):
-    """Checkpoints carry their stage and module class (CheckpointStageCheck); resuming another stage
+    """Checkpoints carry their stage and module class (CheckpointStageStamp); resuming another stage
     from one is refused naming both classes and the file, before any state is loaded."""
     trainer = _fit(tmp_path, tokenizer_dir, max_steps=2)
     last = tmp_path / "ckpt" / "last.ckpt"
@@ -184,4 +184,24 @@ def test_checkpoint_of_another_stage_names_both(tmp_path, tokenizer_dir):
         match=r"last\.ckpt was written by alignlit\.modules\.sft\.SFTModule \(stage 'sft'\), but the model to resume is alignlit\.modules\.reward\.RewardModule",
     ):
         check_checkpoint_module(ckpt, RewardModule, last)
+    assert trainer.global_step == 2
+
+
+def test_plain_trainer_resume_checks_the_stage_first(tmp_path, tokenizer_dir):
+    """Without the CLI, AlignModule.on_load_checkpoint refuses another stage's checkpoint before any state
+    is loaded; with the plugin, a truncated checkpoint is named (Lightning's own writer and reader know
+    nothing of either)."""
+    trainer = _fit(tmp_path, tokenizer_dir, max_steps=2)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    ckpt = read_checkpoint(last)
+    ckpt["alignlit"] = {"stage": "reward", "module": "alignlit.modules.reward.RewardModule"}
+    torch.save(ckpt, tmp_path / "reward.ckpt")
+    with pytest.raises(
+        CheckpointError, match=r"reward\.ckpt was written by alignlit\.modules\.reward\.RewardModule"
+    ):
+        _fit(tmp_path, tokenizer_dir, max_steps=4, ckpt_path=str(tmp_path / "reward.ckpt"), plugins=[])
+    data = last.read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match=r"cut\.ckpt \(\d+ bytes\) cannot be read"):
+        _fit(tmp_path, tokenizer_dir, max_steps=4, ckpt_path=str(tmp_path / "cut.ckpt"))
     assert trainer.global_step == 2

@@ -2,8 +2,8 @@
 
 - :class:`ExportDirCheck`: before anything trains, ``export_dir`` must be a place the export can go
   (``""``, a file, a folder of user files or a read-only location fail at once, naming the path);
-- :class:`CheckpointStageCheck`: records the stage and module class in every checkpoint, and refuses to
-  resume from a checkpoint of another stage, or from a truncated file, naming both;
+- :class:`CheckpointStageStamp`: records the stage and module class in every checkpoint, so that a resume
+  from another stage's checkpoint is refused naming both (``AlignModule.on_load_checkpoint``);
 - :class:`DivergenceMonitor`: stops a run whose loss, weights or gradients say it diverged, naming
   the step (a learning rate of 1e6 otherwise "trains" to garbage with exit status 0).
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
-from alignlit.checkpoint_io import CHECKPOINT_KEY, check_checkpoint_module, read_checkpoint
+from alignlit.checkpoint_io import CHECKPOINT_KEY
 from alignlit.models.export import check_export_dir
 
 
@@ -42,16 +42,9 @@ class ExportDirCheck(Callback):
             check_export_dir(pl_module.export_dir)
 
 
-class CheckpointStageCheck(Callback):
-    """Record the stage and module class in each checkpoint (``checkpoint["alignlit"]``); before a
-    resume, check that the checkpoint file is readable and was written by the same stage."""
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        path = trainer.ckpt_path
-        if stage != "fit" or not path or not isinstance(path, str) or "://" in path:
-            return
-        checkpoint = read_checkpoint(path, map_location="cpu", mmap=True)
-        check_checkpoint_module(checkpoint, type(pl_module), path)
+class CheckpointStageStamp(Callback):
+    """Record the stage and module class in each checkpoint (``checkpoint["alignlit"]``), which
+    ``AlignModule.on_load_checkpoint`` and ``alignlit fit --ckpt_path`` check before a resume."""
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         cls = type(pl_module)
@@ -205,4 +198,4 @@ def default_callbacks(trainer) -> list[Callback]:
     """The callbacks :class:`alignlit.modules.base.AlignModule` installs: those of the classes above
     that ``trainer`` does not already have (a configured one is kept with its settings)."""
     present = {type(c) for c in (trainer.callbacks if trainer is not None else [])}
-    return [cls() for cls in (ExportDirCheck, CheckpointStageCheck, DivergenceMonitor) if cls not in present]
+    return [cls() for cls in (ExportDirCheck, CheckpointStageStamp, DivergenceMonitor) if cls not in present]

@@ -210,6 +210,14 @@ class AlignModule(L.LightningModule):
             [p for group in optimizer.param_groups for p in group["params"]], gradient_clip_val
         )
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, before any state is loaded, a checkpoint written by another stage (its stage and module
+        class are recorded in it), naming both (:func:`alignlit.checkpoint_io.check_checkpoint_module`)."""
+        from alignlit.checkpoint_io import check_checkpoint_module
+
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        check_checkpoint_module(checkpoint, type(self), path or "being loaded")
+
     def configure_callbacks(self):
         """alignlit's guards (:func:`alignlit.callbacks.default_callbacks`): ``export_dir`` checked before
         training, checkpoints stamped with their stage and checked before a resume, divergence stops
