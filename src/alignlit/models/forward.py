@@ -6,22 +6,36 @@
   responses given left-padded prompts (rollouts: old/reference log-probs, PPO and policy-gradient
   losses, the engine parity check);
 - :func:`response_values`: per-token critic values ``V(s_t)`` of sampled responses;
+- :func:`sequence_scores`: a reward model's score of each sequence;
 - :func:`disable_dropout` and :func:`eval_mode`: the log-prob ratios of RL stages need the same
   function at sampling and training time, so dropout is off for them.
+
+How they run a model (:class:`ForwardSettings`, :func:`use_forward_settings`; the values are the
+same either way): a standard Hugging Face causal LM is called as its decoder, and only the scored
+positions go through the LM head, fused with the log-softmax in chunks
+(:func:`~alignlit.ops.logprobs.linear_logprobs`), so no ``(N, T, V)`` logits exist; and the batch
+is packed padding-free, rows that share a prompt holding it once. Models that cannot take these
+paths (:func:`forward_support` says why) get the full logits of their own forward.
 
 Every function here is public: research code computes the same quantities the stages do.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs
+from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, linear_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +77,324 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
+# ---------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How the functions of this module run a model (the results are the same either way).
+
+    Attributes:
+        fused_head: compute log-probs (and entropies) from the final hidden states with the LM head
+            fused in, chunk by chunk (:func:`~alignlit.ops.logprobs.linear_logprobs`), for the scored
+            positions only: no ``(N, T, V)`` logits. Off: the model's full logits, then log-probs.
+        packing: padding-free forwards: the real tokens of the batch are packed into a few rows with
+            a block attention mask (positions restart for every sequence), and rows that share a
+            prompt (a preference pair, the ``n`` samples of a prompt) hold it once, which every
+            response attends to. Needs ``fused_head`` (the backbone is called directly).
+        pack_width: smallest width of a packed row (a row is at least as wide as its longest group of
+            rows sharing a prompt). Attention costs ``width`` per token, so wide rows waste compute
+            on masked-out pairs; narrow rows leave more padding at row ends.
+    """
+
+    fused_head: bool = True
+    packing: bool = True
+    pack_width: int = 128
+
+    def __post_init__(self) -> None:
+        if self.pack_width < 1:
+            raise ValueError(f"pack_width must be >= 1, got {self.pack_width}")
+
+
+_DEFAULT_SETTINGS = ForwardSettings()
+_SETTINGS: ContextVar[ForwardSettings | None] = ContextVar("alignlit_forward_settings", default=None)
+
+
+def forward_settings() -> ForwardSettings:
+    """The :class:`ForwardSettings` in effect."""
+    return _SETTINGS.get() or _DEFAULT_SETTINGS
+
+
+@contextmanager
+def use_forward_settings(**changes) -> Iterator[ForwardSettings]:
+    """Run the block with some :class:`ForwardSettings` fields changed, e.g.
+    ``with use_forward_settings(packing=False): ...``; restores the previous settings afterwards."""
+    settings = dataclasses.replace(forward_settings(), **changes)
+    token = _SETTINGS.set(settings)
+    try:
+        yield settings
+    finally:
+        _SETTINGS.reset(token)
+
+
+def _resolve(fused_head: bool | None, packing: bool | None) -> tuple[bool, bool, int]:
+    settings = forward_settings()
+    fused = settings.fused_head if fused_head is None else fused_head
+    pack = (settings.packing if packing is None else packing) and fused
+    return fused, pack, settings.pack_width
+
+
+def _resolve_packing(packing: bool | None) -> tuple[bool, int]:
+    settings = forward_settings()
+    return (settings.packing if packing is None else packing), settings.pack_width
+
+
+# ------------------------------------------------------------------------ what a model supports
+
+_UNHANDLED_HEAD_SCALES = ("logits_scaling", "lm_head_multiplier", "output_multiplier", "mup_width_multiplier")
+"""Config attributes of models whose LM head output is rescaled in ways the fused head does not reproduce."""
+
+
+@dataclass(frozen=True)
+class ForwardSupport:
+    """Which fast paths a model can take, with the reason when it cannot (see :func:`forward_support`).
+
+    Attributes:
+        fused_head: None when the fused head applies, else why the full logits are used.
+        packing: None when padding-free packing applies, else why padded rows are used.
+    """
+
+    fused_head: str | None
+    packing: str | None
+
+
+_SUPPORT: weakref.WeakKeyDictionary[nn.Module, ForwardSupport] = weakref.WeakKeyDictionary()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, dict] | str:
+    """``(backbone, head, head options)`` of a standard Hugging Face causal LM, or why it is not one."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    get_backbone = getattr(model, "get_decoder", None)
+    if not callable(get_head) or not callable(get_backbone):
+        return (
+            f"{type(model).__name__} is not a Hugging Face causal LM (no get_output_embeddings/get_decoder)"
+        )
+    head, backbone = get_head(), get_backbone()
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or backbone is None or backbone is model:
+        return f"{type(model).__name__} has no linear LM head on a separate decoder"
+    if any(_is_dtensor(p) for p in (weight, *backbone.parameters())):
+        return "the weights are DTensors (tensor parallel / FSDP2): the model's own forward runs the sharded head"
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _UNHANDLED_HEAD_SCALES:
+        if getattr(text_config, name, None) not in (None, 1, 1.0):
+            return f"{type(model).__name__} rescales its logits ({name}), which the fused head does not reproduce"
+    scale = getattr(text_config, "logit_scale", None)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return backbone, head, {"logit_scale": 1.0 if scale is None else float(scale), "softcap": softcap}
+
+
+def _probe_ids(model: nn.Module, length: int) -> torch.Tensor:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    device = next(model.parameters()).device
+    return (torch.arange(3, 3 + length, device=device) * 7919 % vocab)[None]  # (1, length)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = max(1.0, float(b.abs().max()))
+    return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= _tolerance(b.dtype) * scale).all())
+
+
+@torch.no_grad()
+def _probe_packing(model: nn.Module, backbone: nn.Module) -> str | None:
+    """Check on a tiny batch that packing two rows which share a prompt gives the padded forward's
+    hidden states (None), or say why packing does not apply."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} takes no custom 4D mask (packing needs 'sdpa' or 'eager')"
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return f"layers with attention other than full causal ({sorted(set(layer_types))})"
+    if layer_types is None and getattr(text_config, "sliding_window", None) is not None:
+        return f"sliding-window attention (window {text_config.sliding_window})"
+    ids = _probe_ids(model, 5)[0]
+    rows = torch.stack([ids, torch.cat([ids[:3], ids[1:3]])])  # (2, 5): a shared 3-token prompt
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], device=ids.device)
+    rows[1, 4] = 0
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]], device=ids.device).bool()
+    try:
+        padded = backbone(input_ids=rows, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        packed = _pack(
+            rows, attention_mask.bool(), _prompt_lengths(attention_mask.bool(), loss_mask), width=1
+        )
+        hidden = _packed_hidden(backbone, packed, impl)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return f"the backbone refused a packed batch ({type(e).__name__}: {e})"
+    real = attention_mask.bool()
+    if not _close(hidden[packed.index[real]], padded[real]):
+        return "packed rows gave other hidden states than padded ones (the model mixes positions otherwise)"
+    return None
+
+
+@torch.no_grad()
+def _probe(model: nn.Module) -> ForwardSupport:
+    parts = _causal_lm_parts(model)
+    if isinstance(parts, str):
+        return ForwardSupport(parts, parts)
+    backbone, head, options = parts
+    with eval_mode(model):
+        ids = _probe_ids(model, 4)
+        try:
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state  # (1, 4, H)
+        except (TypeError, ValueError, RuntimeError) as e:
+            reason = f"calling the decoder alone failed ({type(e).__name__}: {e})"
+            return ForwardSupport(reason, reason)
+        logits = model(input_ids=ids, use_cache=False).logits  # (1, 4, V)
+        ours = head(hidden).float() * options["logit_scale"]
+        if options["softcap"] is not None:
+            ours = options["softcap"] * torch.tanh(ours / options["softcap"])
+        if not _close(ours, logits.float()):
+            reason = f"{type(model).__name__}'s logits are not its LM head applied to its decoder's output"
+            return ForwardSupport(reason, reason)
+        return ForwardSupport(None, _probe_packing(model, backbone))
+
+
+def forward_support(model: nn.Module) -> ForwardSupport:
+    """Whether ``model`` can take the fused-head and packed paths, and why not.
+
+    A standard Hugging Face causal LM (a decoder from ``get_decoder()``, a linear head from
+    ``get_output_embeddings()``, optional ``logit_scale`` and ``final_logit_softcapping``) takes the
+    fused head when, on a probe input, the head applied to the decoder's output gives the model's
+    logits; it also packs when its attention takes a custom 4D mask ("sdpa", "eager"), has no
+    sliding window, and a packed probe batch gives the padded batch's hidden states. Sharded
+    weights (DTensor) keep the model's own forward. Probed once per model (a few tiny forwards).
+    """
+    support = _SUPPORT.get(model)
+    if support is None:
+        support = _probe(model)
+        _SUPPORT[model] = support
+        for path, reason in (("fused head", support.fused_head), ("packing", support.packing)):
+            if reason is not None:
+                log.info("%s: no %s: %s", type(model).__name__, path, reason)
+    return support
+
+
+# -------------------------------------------------------------------------------------- packing
+
+
+@dataclass
+class _Packed:
+    """A batch of ``N`` sequences packed into ``R`` rows of width ``L``.
+
+    Attributes:
+        input_ids: (R, L) long.
+        position_ids: (R, L) long, each sequence's positions counted from 0 (a shared prompt once).
+        attention_mask: (R, 1, L, L) bool, True where a query token may attend to a key token.
+        index: (N, T) long, the flat index ``r * L + c`` of each real token of the input batch
+            (-1 on padding).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    index: torch.Tensor
+
+
+def _prompt_lengths(attention_mask: torch.Tensor, scored_tokens: torch.Tensor) -> torch.Tensor:
+    """(N,) real tokens before the first scored token of each row (all of them when none is scored)."""
+    real = attention_mask.long().cumsum(-1)  # (N, T) real tokens up to and including each column
+    first = torch.where(scored_tokens & attention_mask, real - 1, real[:, -1:]).min(-1).values  # (N,)
+    return first
+
+
+def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, *, width: int):
+    """Pack the real tokens of ``input_ids`` (N, T) into rows; rows whose first ``prompt_lengths``
+    real tokens are equal hold them once (a group: the prompt, then each row's remaining tokens).
+
+    Groups are placed first-fit by decreasing length into rows of width ``max(width, longest group)``.
+    """
+    device = input_ids.device
+    ids_cpu, mask_cpu = input_ids.cpu(), attention_mask.cpu().bool()
+    lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
+    sequences = [row[m] for row, m in zip(ids_cpu, mask_cpu)]
+    groups: dict[bytes, list[int]] = {}
+    for i, (seq, p) in enumerate(zip(sequences, prompts)):
+        key = seq[:p].numpy().tobytes() + b"|" + str(p).encode() if p else f"row{i}".encode()
+        groups.setdefault(key, []).append(i)
+    members = list(groups.values())
+    sizes = [prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in members]
+    order = sorted(range(len(members)), key=lambda k: -sizes[k])
+    row_width = max([width, *sizes])
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for k in order:
+        for r, filled in enumerate(used):
+            if filled + sizes[k] <= row_width:
+                rows[r].append(k)
+                used[r] += sizes[k]
+                break
+        else:
+            rows.append([k])
+            used.append(sizes[k])
+    num_rows, width_used = len(rows), max(used, default=1)
+    packed_ids = torch.zeros(num_rows, width_used, dtype=torch.long)
+    positions = torch.zeros(num_rows, width_used, dtype=torch.long)
+    allowed = torch.eye(width_used, dtype=torch.bool).repeat(num_rows, 1, 1)  # (R, L, L); padding sees itself
+    index = torch.full(ids_cpu.shape, -1, dtype=torch.long)  # (N, T)
+    columns = [m.nonzero().flatten() for m in mask_cpu]
+    for r, group_ids in enumerate(rows):
+        offset = 0
+        for k in group_ids:
+            group = members[k]
+            p = prompts[group[0]]
+            tokens, pos, segment = (
+                [sequences[group[0]][:p]],
+                [torch.arange(p)],
+                [torch.zeros(p, dtype=torch.long)],
+            )
+            cursor = offset + p
+            for s, i in enumerate(group, start=1):
+                rest = lengths[i] - p
+                tokens.append(sequences[i][p:])
+                pos.append(torch.arange(p, lengths[i]))
+                segment.append(torch.full((rest,), s, dtype=torch.long))
+                flat = torch.cat([torch.arange(offset, offset + p), torch.arange(cursor, cursor + rest)])
+                index[i, columns[i]] = r * width_used + flat
+                cursor += rest
+            size = cursor - offset
+            seg = torch.cat(segment)  # (size,) 0 on the prompt, s on the s-th row's own tokens
+            causal = torch.ones(size, size, dtype=torch.bool).tril()
+            block = causal & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))  # (query, key)
+            packed_ids[r, offset:cursor] = torch.cat(tokens)
+            positions[r, offset:cursor] = torch.cat(pos)
+            allowed[r, offset:cursor, offset:cursor] = block
+            offset = cursor
+    return _Packed(
+        packed_ids.to(device),
+        positions.to(device),
+        allowed[:, None].to(device),
+        index.to(device),
+    )
+
+
+def _packed_hidden(backbone: nn.Module, packed: _Packed, attn_implementation: str) -> torch.Tensor:
+    """(R * L, H) final hidden states of a packed batch."""
+    mask = packed.attention_mask
+    if attn_implementation == "eager":  # eager attention adds the mask to the scores
+        dtype = next(backbone.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
+    hidden = backbone(
+        input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False
+    ).last_hidden_state  # (R, L, H)
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+# ----------------------------------------------------------------------------- scoring positions
+
+
 def _scored(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -76,8 +408,6 @@ def _scored(
 
     ``logits`` (N, L, V) are already aligned with ``labels`` (N, L); ``mask`` (N, L) bool.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature not in (0.0, 1.0):  # 0 (greedy) scores as T = 1, the Rollout convention
         logits = logits / float(temperature)
     weights = mask.to(torch.promote_types(logits.dtype, torch.float32))
@@ -86,6 +416,90 @@ def _scored(
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) * weights  # (N, L)
     return TokenLogprobs(logprobs, mask, entropy)
+
+
+def _check_temperature(temperature: float) -> float:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return 1.0 if temperature == 0 else float(temperature)
+
+
+@dataclass
+class _Plan:
+    """Where the hidden state that predicts each scored token lives, for one forward."""
+
+    hidden: torch.Tensor  # (X, H) flat final hidden states
+    columns: torch.Tensor  # (N, T) flat row of each input column in ``hidden`` (-1: none)
+
+
+def _hidden_plan(
+    backbone: nn.Module,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None,
+    prompt_lengths: torch.Tensor | None,
+    width: int,
+) -> _Plan:
+    """Run the backbone packed (``prompt_lengths`` given) or padded, and say where each column went."""
+    if prompt_lengths is not None:
+        packed = _pack(input_ids, attention_mask, prompt_lengths, width=width)
+        impl = model.config._attn_implementation
+        return _Plan(_packed_hidden(backbone, packed, impl), packed.index)
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state  # (N, T, H)
+    n, t = input_ids.shape
+    columns = torch.arange(n * t, device=input_ids.device).view(n, t)
+    return _Plan(hidden.reshape(n * t, -1), columns)
+
+
+def _fused_scored(
+    model: nn.Module,
+    plan: _Plan,
+    predictor: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> TokenLogprobs:
+    """Log-probs of ``labels`` (N, S) at the ``mask``-ed positions (N, S), read from the hidden state
+    at input column ``predictor`` (N, S) through the fused head."""
+    _, head, options = _causal_lm_parts(model)
+    rows, cols = mask.nonzero(as_tuple=True)  # (M,) each, row-major like masked_scatter
+    flat = plan.columns[rows, predictor[rows, cols]]  # (M,)
+    logprobs, entropy = linear_logprobs(
+        plan.hidden[flat],
+        head.weight,
+        labels[rows, cols],
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        logit_scale=options["logit_scale"],
+        softcap=options["softcap"],
+        with_entropy=with_entropy,
+    )  # (M,)
+    out = torch.zeros(mask.shape, dtype=logprobs.dtype, device=logprobs.device).masked_scatter(mask, logprobs)
+    if entropy is not None:
+        entropy = entropy if entropy_grad else entropy.detach()
+        entropy = torch.zeros_like(out).masked_scatter(mask, entropy)
+    return TokenLogprobs(out, mask, entropy)
+
+
+def _is_right_padded(attention_mask: torch.Tensor) -> bool:
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def _packing_reason(model: nn.Module, pack: bool) -> str | None:
+    if not pack:
+        return "off"
+    return forward_support(model).packing
+
+
+# ---------------------------------------------------------------------------------- public API
 
 
 def token_logprobs(
@@ -97,11 +511,15 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    fused_head: bool | None = None,
+    packing: bool | None = None,
 ) -> TokenLogprobs:
     """Teacher-forced log-probs of the loss-masked tokens of right-padded sequences.
 
     Position ``t`` of the result scores token ``t + 1`` of the input: the result has ``T - 1``
-    columns, and its mask is ``loss_mask[:, 1:]``.
+    columns, and its mask is ``loss_mask[:, 1:]``. Rows that share their prompt (the tokens
+    before the first loss-masked one), such as the chosen and rejected rows of a preference pair,
+    share its computation when packed (see :class:`ForwardSettings`); the values are the same.
 
     Args:
         model: causal LM returning ``.logits`` (N, T, V).
@@ -111,6 +529,8 @@ def token_logprobs(
         temperature: divide the logits by it (0 and 1: unchanged).
         with_entropy: also return per-position entropies.
         entropy_grad: let gradients flow through the entropies.
+        fused_head: override :attr:`ForwardSettings.fused_head` (None: the settings in effect).
+        packing: override :attr:`ForwardSettings.packing` (None: the settings in effect).
 
     Returns:
         :class:`TokenLogprobs` of shape (N, T - 1).
@@ -120,15 +540,25 @@ def token_logprobs(
     for name, t in (("attention_mask", attention_mask), ("loss_mask", loss_mask)):
         if t.shape != input_ids.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids shape {tuple(input_ids.shape)}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
-    return _scored(
-        logits,
-        input_ids[:, 1:],
-        loss_mask[:, 1:].bool(),
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
+    temperature = _check_temperature(temperature)
+    options = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    labels, mask = input_ids[:, 1:], loss_mask[:, 1:].bool()  # (N, T-1)
+    fused, pack, width = _resolve(fused_head, packing)
+    if not fused or forward_support(model).fused_head is not None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
+        return _scored(logits, labels, mask, **options)
+    backbone = _causal_lm_parts(model)[0]
+    attention = attention_mask.bool()
+    prompts = None
+    if _packing_reason(model, pack) is None and _is_right_padded(attention):
+        prompts = _prompt_lengths(attention, loss_mask.bool())
+    plan = _hidden_plan(
+        backbone, model, input_ids, attention_mask, position_ids=None, prompt_lengths=prompts, width=width
     )
+    predictor = torch.arange(labels.shape[1], device=input_ids.device).expand_as(
+        labels
+    )  # column t scores t + 1
+    return _fused_scored(model, plan, predictor, labels, mask, **options)
 
 
 def _concat(prompt_ids, prompt_mask, response_ids, response_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +585,44 @@ def _concat(prompt_ids, prompt_mask, response_ids, response_mask) -> tuple[torch
     return input_ids, attention_mask
 
 
+def _response_plan(
+    model_or_backbone: tuple[nn.Module, nn.Module],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    pack: bool,
+    width: int,
+) -> tuple[_Plan, torch.Tensor]:
+    """The hidden states of ``[prompt ; response]`` and, per response token, the input column that
+    predicts it: ``P - 1 + t``. Packed when ``pack`` and every such column is a real token."""
+    model, backbone = model_or_backbone
+    input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
+    num_prompt = prompt_ids.shape[1]
+    steps = response_ids.shape[1]
+    predictor = (num_prompt - 1 + torch.arange(steps, device=input_ids.device)).expand(
+        input_ids.shape[0], steps
+    )
+    mask = response_mask.bool()
+    attention = attention_mask.bool()
+    prompts = None
+    # the last prompt column predicts token 0; a response token after a padded one would be scored
+    # from a padding column: keep padded rows then
+    if pack and bool((attention.gather(1, predictor) | ~mask).all()):
+        prompts = prompt_mask.long().sum(-1)
+    plan = _hidden_plan(
+        backbone,
+        model,
+        input_ids,
+        attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        prompt_lengths=prompts,
+        width=width,
+    )
+    return plan, predictor
+
+
 def response_token_logprobs(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -165,6 +633,8 @@ def response_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    fused_head: bool | None = None,
+    packing: bool | None = None,
 ) -> TokenLogprobs:
     """``log_softmax(logits / temperature)`` of each response token given the prompt and earlier tokens.
 
@@ -172,7 +642,8 @@ def response_token_logprobs(
     logits at position ``P - 1 + t`` score response token ``t``. Positions are counted over real
     tokens (:func:`position_ids_from_mask`), so left padding does not shift them. Gradients flow
     when called outside ``torch.no_grad``. Temperature 0 (greedy) is scored as 1, the convention
-    of :class:`~alignlit.rollout.base.Rollout`.
+    of :class:`~alignlit.rollout.base.Rollout`. The ``n`` samples of a prompt share its
+    computation when packed (see :class:`ForwardSettings`); the values are the same.
 
     Args:
         model: causal LM returning ``.logits`` of shape (B, L, V).
@@ -183,26 +654,31 @@ def response_token_logprobs(
         temperature: sampling temperature the response was drawn with (>= 0).
         with_entropy: also return per-token entropies.
         entropy_grad: let gradients flow through the entropies.
+        fused_head: override :attr:`ForwardSettings.fused_head` (None: the settings in effect).
+        packing: override :attr:`ForwardSettings.packing` (None: the settings in effect).
 
     Returns:
         :class:`TokenLogprobs` of shape (B, T), in float32 (float64 for a float64 model).
     """
-    input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
-    num_prompt = prompt_ids.shape[1]
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).logits[:, num_prompt - 1 : -1]  # (B, T, V): position P-1+t predicts response token t
-    return _scored(
-        logits,
-        response_ids,
-        response_mask.bool(),
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-    )
+    temperature = _check_temperature(temperature)
+    options = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    fused, pack, width = _resolve(fused_head, packing)
+    if not fused or forward_support(model).fused_head is not None:
+        input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
+        num_prompt = prompt_ids.shape[1]
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits[:, num_prompt - 1 : -1]  # (B, T, V): position P-1+t predicts response token t
+        return _scored(logits, response_ids, response_mask.bool(), **options)
+    backbone = _causal_lm_parts(model)[0]
+    plan, predictor = _response_plan(
+        (model, backbone), prompt_ids, prompt_mask, response_ids, response_mask,
+        pack=_packing_reason(model, pack) is None, width=width,
+    )  # fmt: skip
+    return _fused_scored(model, plan, predictor, response_ids, response_mask.bool(), **options)
 
 
 def response_logprobs(
@@ -220,22 +696,93 @@ def response_logprobs(
     ).logprobs
 
 
+def _scalar_parts(scalar_model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+    """``(hf model, backbone, score head)`` of a decoder :class:`~alignlit.models.ScalarHeadModel`
+    that packs (None: use its own methods)."""
+    hf = getattr(scalar_model, "hf_model", None)
+    backbone, score = getattr(hf, "model", None), getattr(hf, "score", None)
+    if not isinstance(backbone, nn.Module) or not isinstance(score, nn.Module):
+        return None
+    support = _SUPPORT.get(hf)
+    if support is None:
+        support = ForwardSupport(None, _probe_scalar(hf, backbone))
+        _SUPPORT[hf] = support
+        if support.packing is not None:
+            log.info("%s: no packing: %s", type(hf).__name__, support.packing)
+    return (hf, backbone, score) if support.packing is None else None
+
+
+def _probe_scalar(hf: nn.Module, backbone: nn.Module) -> str | None:
+    if any(_is_dtensor(p) for p in backbone.parameters()):
+        return "the weights are DTensors (tensor parallel / FSDP2)"
+    with eval_mode(hf):
+        return _probe_packing(hf, backbone)
+
+
 def response_values(
     critic: nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
+    packing: bool | None = None,
 ) -> torch.Tensor:
     """(B, T) critic values ``V(s_t)``: the head at the position that predicts response token ``t``.
 
     ``critic`` has ``values(input_ids, attention_mask) -> (B, L)`` (a decoder
-    :class:`~alignlit.models.ScalarHeadModel`). 0 on padding.
+    :class:`~alignlit.models.ScalarHeadModel`). 0 on padding. Packed like
+    :func:`response_token_logprobs` when the backbone allows it (``packing``: override
+    :attr:`ForwardSettings.packing`).
     """
-    input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
-    num_prompt = prompt_ids.shape[1]
-    values = critic.values(input_ids, attention_mask)[:, num_prompt - 1 : -1]  # (B, T)
-    return values * response_mask.to(values.dtype)
+    pack, width = _resolve_packing(packing)
+    parts = _scalar_parts(critic) if pack else None
+    if parts is None:
+        input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
+        num_prompt = prompt_ids.shape[1]
+        values = critic.values(input_ids, attention_mask)[:, num_prompt - 1 : -1]  # (B, T)
+        return values * response_mask.to(values.dtype)
+    hf, backbone, score = parts
+    plan, predictor = _response_plan(
+        (hf, backbone), prompt_ids, prompt_mask, response_ids, response_mask, pack=True, width=width
+    )
+    mask = response_mask.bool()
+    rows, cols = mask.nonzero(as_tuple=True)  # (M,)
+    values = score(plan.hidden[plan.columns[rows, predictor[rows, cols]]]).squeeze(-1)  # (M,)
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+
+
+def sequence_scores(
+    scalar_model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    *,
+    packing: bool | None = None,
+) -> torch.Tensor:
+    """(N,) score of each right-padded sequence: a scalar-head model read at its last real token.
+
+    The same numbers as ``scalar_model(input_ids, attention_mask)``
+    (:class:`~alignlit.models.ScalarHeadModel`), from a packed forward when the backbone allows it:
+    with ``loss_mask`` (N, T) (True on response tokens), rows with the same prompt, such as the two
+    rows of a preference pair, hold it once. ``packing`` overrides :attr:`ForwardSettings.packing`.
+    """
+    if loss_mask is not None and loss_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+        )
+    pack, width = _resolve_packing(packing)
+    attention = attention_mask.bool()
+    parts = _scalar_parts(scalar_model) if pack and _is_right_padded(attention) else None
+    if parts is None or not bool(attention.any(-1).all()):
+        return scalar_model(input_ids, attention_mask)
+    hf, backbone, score = parts
+    scored = loss_mask.bool() if loss_mask is not None else torch.zeros_like(attention)
+    packed = _pack(input_ids, attention, _prompt_lengths(attention, scored), width=width)
+    hidden = _packed_hidden(backbone, packed, hf.config._attn_implementation)  # (R * L, H)
+    last = attention.long().sum(-1) - 1  # (N,) right padding: the last real token's column
+    flat = packed.index.gather(1, last[:, None]).squeeze(1)  # (N,)
+    return score(hidden[flat]).squeeze(-1)
 
 
 DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout_p", "attn_pdrop", "resid_pdrop")

@@ -1,12 +1,18 @@
-"""Token log-probabilities and entropies from logits, without materialising a full ``log_softmax``.
+"""Token log-probabilities and entropies without materialising a full ``log_softmax``.
 
-Logits are ``(..., V)``; results are ``(...)``. Work is done in float32 (float64 for float64 logits)
-on chunks of rows, so peak extra memory is one chunk, not a float32 copy of all logits.
+- :func:`gather_logprobs` / :func:`entropy_from_logits`: from logits ``(..., V)`` that already exist,
+  in float32 (float64 for float64 logits) on chunks of rows, so peak extra memory is one chunk, not
+  a float32 copy of all logits.
+- :func:`linear_logprobs`: from the final hidden states and the LM head, fused: the logits of a chunk
+  of rows are computed, reduced to log-probs (and entropies) and dropped, and recomputed in the
+  backward pass, so no ``(N, V)`` tensor ever exists (the chunked linear cross-entropy of Liger
+  Kernel, Hsu et al. 2024, §3.2, on any device).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from alignlit.ops.stats import check_same_shape, masked_mean, masked_sum
 
@@ -138,3 +144,171 @@ def sequence_logprobs(
     if average:
         return masked_mean(token_logps, mask, dim=-1)
     return masked_sum(token_logps, mask, dim=-1)
+
+
+LINEAR_CHUNK_ELEMENTS = 1 << 21
+"""Upper bound on ``rows * V`` of one chunk of :func:`linear_logprobs` (8 MiB of float32 logits)."""
+
+LINEAR_MIN_ROWS = 32
+"""Fewest rows per chunk of :func:`linear_logprobs` (a matmul on fewer rows is inefficient)."""
+
+
+def _head_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    scale: float,
+    softcap: float | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``z = softcap(scale · (h Wᵀ + b)) / temperature`` in ``dtype``, and ``tanh`` of the softcap (or None).
+
+    The projection runs in the weights' dtype, like the model's own LM head; the rest in ``dtype``.
+    """
+    logits = F.linear(hidden, weight, bias).to(dtype)  # (r, V)
+    if scale != 1.0:
+        logits = logits * scale
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        logits = softcap * tanh
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits, tanh
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``log_softmax(z)[label]`` and ``H(softmax(z))`` of ``z = head(h)``, chunked over rows.
+
+    Saves the inputs (the hidden rows, the head, the labels) and the ``(M,)`` log-normalisers and
+    entropies; the backward pass recomputes each chunk's logits. With ``p = softmax(z)``:
+    ``∂ log p_y / ∂z = onehot(y) - p`` and ``∂H/∂z = -p ⊙ (log p + H)``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, scale, softcap, temperature, with_entropy, rows):
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        m = hidden.shape[0]
+        logsumexp = torch.empty(m, dtype=dtype, device=hidden.device)
+        logprobs = torch.empty(m, dtype=dtype, device=hidden.device)
+        entropy = torch.empty(m, dtype=dtype, device=hidden.device) if with_entropy else None
+        for a in range(0, m, rows):
+            z, _ = _head_logits(
+                hidden[a : a + rows], weight, bias, dtype=dtype, scale=scale, softcap=softcap,
+                temperature=temperature,
+            )  # fmt: skip
+            lse = torch.logsumexp(z, dim=-1)  # (r,)
+            logsumexp[a : a + rows] = lse
+            logprobs[a : a + rows] = z.gather(-1, labels[a : a + rows, None]).squeeze(-1) - lse
+            if entropy is not None:
+                entropy[a : a + rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
+        ctx.options = (dtype, scale, softcap, temperature, rows)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
+        dtype, scale, softcap, temperature, rows = ctx.options
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
+        for a in range(0, hidden.shape[0], rows):
+            h = hidden[a : a + rows]
+            z, tanh = _head_logits(
+                h, weight, bias, dtype=dtype, scale=scale, softcap=softcap, temperature=temperature
+            )  # (r, V)
+            logp = z - logsumexp[a : a + rows, None]  # (r, V) log p
+            probs = torch.exp(logp)
+            grad_z = torch.zeros_like(z)
+            if grad_logprobs is not None:
+                g = grad_logprobs[a : a + rows, None].to(dtype)  # (r, 1)
+                grad_z = -g * probs
+                grad_z.scatter_add_(-1, labels[a : a + rows, None], g)
+            if grad_entropy is not None:
+                g = grad_entropy[a : a + rows, None].to(dtype)  # (r, 1)
+                grad_z -= g * probs * (logp + entropy[a : a + rows, None])
+            if temperature != 1.0:
+                grad_z = grad_z / temperature
+            if tanh is not None:
+                grad_z = grad_z * (1 - tanh * tanh)
+            if scale != 1.0:
+                grad_z = grad_z * scale
+            grad_z = grad_z.to(weight.dtype)  # (r, V), back through the projection in the weights' dtype
+            if grad_hidden is not None:
+                grad_hidden[a : a + rows] = (grad_z @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_z.t() @ h.to(weight.dtype)).to(dtype)
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(0).to(dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    with_entropy: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels`` (and entropies) under the LM head ``z = softcap(s·(hWᵀ + b)) / T``, fused.
+
+    Equal to ``gather_logprobs(z, labels)`` and ``entropy_from_logits(z)`` of the full logits, but the
+    ``(M, V)`` logits are only ever built ``chunk_rows`` rows at a time, in the forward and again in
+    the backward pass (where they are recomputed): the extra memory is one chunk, whatever ``V``.
+    Differentiable with respect to ``hidden``, ``weight`` and ``bias`` (through the entropies too).
+
+    Args:
+        hidden: (M, H) final hidden states of the positions to score.
+        weight: (V, H) LM head.
+        labels: (M,) token ids in ``[0, V)`` scored at each row.
+        bias: (V,) LM-head bias, or None.
+        temperature: ``T > 0``; the logits are divided by it.
+        logit_scale: ``s``, a multiplier some models apply to the head's output (Cohere's ``logit_scale``).
+        softcap: ``c`` of a final logit soft-capping ``c·tanh(x/c)`` (Gemma 2), or None.
+        with_entropy: also return the entropy of each row's distribution.
+        chunk_rows: rows per chunk (default: ``LINEAR_CHUNK_ELEMENTS // V``, at least ``LINEAR_MIN_ROWS``).
+
+    Returns:
+        ``(logprobs (M,), entropy (M,) or None)`` in float32 (float64 for a float64 head).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (M, H) and weight (V, H), got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be ({hidden.shape[0]},), got {tuple(labels.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    vocab = weight.shape[0]
+    if labels.numel() and (labels.min().item() < 0 or labels.max().item() >= vocab):
+        raise ValueError(
+            f"labels must be token ids in [0, {vocab}), got values in [{labels.min().item()}, "
+            f"{labels.max().item()}]; replace ignore indices (e.g. -100) with a valid id and mask them"
+        )
+    rows = chunk_rows or max(LINEAR_MIN_ROWS, LINEAR_CHUNK_ELEMENTS // max(vocab, 1))
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    logprobs, entropy = _LinearLogprobs.apply(
+        hidden, weight, bias, labels.long(), float(logit_scale), softcap, float(temperature), with_entropy,
+        rows,
+    )  # fmt: skip
+    return logprobs, entropy

@@ -1,0 +1,259 @@
+"""Tests for alignlit.models.forward: the fused-head and packed paths against the model's own full logits.
+
+Every fast path is compared with the naive computation (``model(...).logits`` then ``log_softmax``):
+values, entropies and gradients with respect to every weight, in float64 and float32, with
+temperature, padding, rows that share a prompt and rows with nothing to score.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from alignlit.models import export_pretrained, make_tiny_llama
+from alignlit.models import forward as fwd
+from alignlit.models.loading import load_scalar_model
+from tests.conftest import TINY
+
+# a preference-like batch: rows [0, 3) chosen, [3, 6) rejected; row 6 has nothing to score
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+CHOSEN = [[20, 21], [22], [23, 24, 25]]
+REJECTED = [[30], [31, 32, 33], [34]]
+
+
+def right_padded(seqs: list[list[int]], prompt_lengths: list[int]):
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.bool)
+    loss = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lengths)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attention[i, : len(s)] = True
+        loss[i, p : len(s)] = True
+    return ids, attention, loss
+
+
+def pair_batch():
+    seqs = [p + c for p, c in zip(PROMPTS, CHOSEN)] + [p + r for p, r in zip(PROMPTS, REJECTED)] + [[40, 41]]
+    lengths = [len(p) for p in PROMPTS] * 2 + [2]
+    return right_padded(seqs, lengths)
+
+
+def rollout_batch():
+    """Left-padded prompts with n = 2 samples each, right-padded responses (one empty)."""
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [14]]
+    responses = [[20, 21], [22], [23, 24, 25], [], [26, 27]]
+    width, steps = max(map(len, prompts)), max(map(len, responses))
+    prompt_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    prompt_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    response_ids = torch.zeros(len(prompts), steps, dtype=torch.long)
+    response_mask = torch.zeros(len(prompts), steps, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        prompt_ids[i, width - len(p) :] = torch.tensor(p)
+        prompt_mask[i, width - len(p) :] = 1
+        response_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        response_mask[i, : len(r)] = 1
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_tiny_llama(tokenizer, seed=0, **TINY)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, fn, **kwargs):
+    """Values and weight gradients of ``Σ logprobs·u + Σ entropy·v`` (fixed random weights u, v)."""
+    model.zero_grad(set_to_none=True)
+    out = fn(model, **kwargs)
+    generator = torch.Generator().manual_seed(0)
+    u = torch.randn(out.logprobs.shape, generator=generator, dtype=out.logprobs.dtype)
+    v = torch.randn(out.logprobs.shape, generator=generator, dtype=out.logprobs.dtype)
+    objective = (out.logprobs * u).sum()
+    if out.entropy is not None:
+        objective = objective + (out.entropy * v).sum()
+    objective.backward()
+    return out, grads(model)
+
+
+PATHS = [
+    {"fused_head": True, "packing": False},
+    {"fused_head": True, "packing": True},
+]
+
+
+def assert_same(naive, naive_grads, fast, fast_grads, *, dtype):
+    # gradients: float32 rounding inside RMSNorm (which Hugging Face runs in float32 even in a float64
+    # model) sums the two rows' contributions to a shared prompt in another order
+    atol = 1e-10 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(fast.logprobs, naive.logprobs, atol=atol, rtol=1e-6)
+    assert torch.equal(fast.mask, naive.mask)
+    if naive.entropy is not None:
+        torch.testing.assert_close(fast.entropy, naive.entropy, atol=atol, rtol=1e-6)
+    assert fast_grads.keys() == naive_grads.keys()
+    for name, g in naive_grads.items():
+        scale = float(g.abs().max()) + 1e-12
+        torch.testing.assert_close(fast_grads[name] / scale, g / scale, atol=2e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("path", PATHS, ids=["fused", "packed"])
+def test_token_logprobs_fast_paths_equal_the_full_logits(model, dtype, temperature, path):
+    model = model.to(dtype)
+    ids, attention, loss = pair_batch()
+
+    def fn(m, **kw):
+        return fwd.token_logprobs(m, ids, attention, loss, temperature=temperature, with_entropy=True, **kw)
+
+    naive, naive_grads = run(model, fn, fused_head=False)
+    fast, fast_grads = run(model, fn, **path)
+    assert fast.logprobs.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_same(naive, naive_grads, fast, fast_grads, dtype=dtype)
+    assert (
+        float(naive.logprobs[6].detach().abs().sum()) == 0
+    )  # the row without response tokens scores nothing
+    model.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("path", PATHS, ids=["fused", "packed"])
+def test_response_token_logprobs_fast_paths_equal_the_full_logits(model, dtype, path):
+    model = model.to(dtype)
+    batch = rollout_batch()
+
+    def fn(m, **kw):
+        return fwd.response_token_logprobs(m, *batch, temperature=1.3, with_entropy=True, **kw)
+
+    naive, naive_grads = run(model, fn, fused_head=False)
+    fast, fast_grads = run(model, fn, **path)
+    assert_same(naive, naive_grads, fast, fast_grads, dtype=dtype)
+    model.float()
+
+
+def test_entropy_grad_false_detaches_only_the_entropy(model):
+    ids, attention, loss = pair_batch()
+    out = fwd.token_logprobs(model, ids, attention, loss, with_entropy=True, entropy_grad=False)
+    assert out.logprobs.requires_grad and not out.entropy.requires_grad
+
+
+def test_packing_layout_by_hand():
+    """Rows a = [1 2 | 3 4], b = [1 2 | 5], c = [7 | 8] (prompt | response): a and b share the prompt
+    [1 2]. Group ab is laid out [1 2 3 4 5] (5 tokens), group c [7 8]; with width 5 they take one
+    row each, largest first. Positions: prompt 0 1, a's tokens 2 3, b's token 2 (its prompt is the
+    same two tokens). Token 5 (b) attends to 1 2 and itself, not to a's 3 4."""
+    ids, attention, loss = right_padded([[1, 2, 3, 4], [1, 2, 5], [7, 8]], [2, 2, 1])
+    packed = fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=5)
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5], [7, 8, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    assert packed.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, -1], [5, 6, -1, -1]]
+    mask = packed.attention_mask[:, 0].int()
+    assert mask[0].tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+    assert mask[1].tolist() == [  # padding slots see only themselves (no fully masked row)
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
+    # narrow rows: a row is as wide as its longest group, the rest go first-fit
+    assert fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=1).input_ids.shape == (2, 5)
+    # wide rows: both groups in one row
+    assert fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=8).input_ids.shape == (1, 7)
+
+
+def test_values_and_scores_packed_equal_the_scalar_models_own(tmp_path, tokenizer):
+    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, tmp_path / "lm", stage="init")
+    torch.manual_seed(0)
+    critic, _ = load_scalar_model(tmp_path / "lm")
+    batch = rollout_batch()
+    critic.zero_grad()
+    padded = fwd.response_values(critic, *batch, packing=False)
+    padded.pow(2).sum().backward()
+    padded_grads = grads(critic)
+    critic.zero_grad()
+    packed = fwd.response_values(critic, *batch, packing=True)
+    packed.pow(2).sum().backward()
+    torch.testing.assert_close(packed, padded, atol=1e-6, rtol=1e-5)
+    assert float(packed[3].detach().abs().sum()) == 0  # the empty response
+    for name, g in grads(critic).items():
+        torch.testing.assert_close(g, padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    ids, attention, loss = pair_batch()
+    own = critic(ids, attention)
+    torch.testing.assert_close(fwd.sequence_scores(critic, ids, attention, loss), own, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fwd.sequence_scores(critic, ids, attention), own, atol=1e-6, rtol=1e-5)
+
+
+def test_settings_switch_and_restore(model):
+    assert fwd.forward_settings() == fwd.ForwardSettings()
+    with fwd.use_forward_settings(packing=False, pack_width=64) as settings:
+        assert settings.packing is False and fwd.forward_settings().pack_width == 64
+    assert fwd.forward_settings() == fwd.ForwardSettings()
+    with pytest.raises(ValueError, match="pack_width must be >= 1"):
+        fwd.ForwardSettings(pack_width=0)
+
+
+class Wrapped(nn.Module):
+    """A causal LM behind a wrapper with no Hugging Face accessors."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_models_without_the_standard_parts_use_their_full_logits(model, tokenizer, monkeypatch):
+    ids, attention, loss = pair_batch()
+    naive = fwd.token_logprobs(model, ids, attention, loss, fused_head=False).logprobs
+
+    wrapped = Wrapped(model)
+    support = fwd.forward_support(wrapped)
+    assert "not a Hugging Face causal LM" in support.fused_head and support.packing == support.fused_head
+    torch.testing.assert_close(fwd.token_logprobs(wrapped, ids, attention, loss).logprobs, naive)
+
+    scaled = make_tiny_llama(tokenizer, seed=0, **TINY)
+    scaled.config.logits_scaling = 2.0
+    assert "rescales its logits (logits_scaling)" in fwd.forward_support(scaled).fused_head
+
+    sharded = make_tiny_llama(tokenizer, seed=0, **TINY)
+    monkeypatch.setattr(fwd, "_is_dtensor", lambda t: t is sharded.lm_head.weight)
+    assert "DTensor" in fwd.forward_support(sharded).fused_head
+    torch.testing.assert_close(fwd.token_logprobs(sharded, ids, attention, loss).logprobs, naive)
+
+
+def test_sliding_window_and_flash_attention_models_do_not_pack(tokenizer):
+    windowed = make_tiny_llama(tokenizer, seed=0, **TINY)
+    windowed.config.sliding_window = 4
+    support = fwd.forward_support(windowed)
+    assert support.fused_head is None and "sliding-window" in support.packing
+
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert "takes no custom 4D mask" in fwd._probe_packing(flash, backbone=None)
+
+
+def test_a_model_whose_logits_are_not_its_head_of_its_decoder_is_detected(tokenizer):
+    model = make_tiny_llama(tokenizer, seed=0, **TINY)
+    original = model.forward
+
+    def shifted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits + 1.0 * torch.arange(out.logits.shape[-1])
+        return out
+
+    model.forward = shifted
+    assert "not its LM head applied" in fwd.forward_support(model).fused_head
