@@ -44,7 +44,9 @@ def _data(tmp_path, n=48):
     return f
 
 
-def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, callbacks, ckpt_path=None):
+def _run(
+    tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, callbacks, ckpt_path=None, every=3
+):
     L.seed_everything(0)
     module = SFTModule(
         policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), optim=Optim(lr=1e-3, warmup_steps=2)
@@ -61,7 +63,7 @@ def _run(tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, ca
         limit_val_batches=0,
         callbacks=[
             *callbacks,
-            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_last=True, save_top_k=-1),
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_last=True, save_top_k=-1),
         ],
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
@@ -86,6 +88,29 @@ def test_sft_resume_is_exact(tmp_path, tokenizer_dir):
         ckpt_path=str(tmp_path / "b" / "epoch=0-step=6.ckpt"),
     )
     assert resumed.losses == full.losses[6:]  # bit-identical from step 7 on, across the epoch boundary
+    for p, q in zip(m_full.policy.parameters(), m_res.policy.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("length", [{"max_epochs": 3}, {"max_steps": 30}], ids=["epochs", "steps"])
+def test_resume_from_the_last_batch_of_an_epoch_trains_every_epoch(tmp_path, tokenizer_dir, length):
+    """A checkpoint written after the last batch of epoch 0 (step 10 of 10): Lightning 2.6 alone resumes
+    it in epoch 2 and never trains epoch 1; the stage rewrites the loop state to the end of epoch 0, so
+    the resumed run trains the same 20 steps on the same batches as the uninterrupted one."""
+    full = Record()
+    m_full = _run(tmp_path, tokenizer_dir, tmp_path / "a", callbacks=[full], every=5, **length)
+    assert len(full.losses) == 30
+    resumed = Record()
+    m_res = _run(
+        tmp_path,
+        tokenizer_dir,
+        tmp_path / "b",
+        callbacks=[resumed],
+        every=5,
+        ckpt_path=str(tmp_path / "a" / "epoch=0-step=10.ckpt"),
+        **length,
+    )
+    assert resumed.losses == full.losses[10:]
     for p, q in zip(m_full.policy.parameters(), m_res.policy.parameters()):
         assert torch.equal(p, q)
 

@@ -510,6 +510,7 @@ class OnlineModule(AlignModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get(self.state_key)
         if state is None:
             raise KeyError(
