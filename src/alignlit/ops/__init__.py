@@ -21,6 +21,7 @@ from alignlit.ops.kl import (
 )
 from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, sequence_logprobs
 from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
+from alignlit.ops.rewards import RewardNorm, explained_variance, kl_penalized_rewards, normalize_scores
 from alignlit.ops.stats import (
     RunningMoments,
     check_ndim,
@@ -37,10 +38,12 @@ __all__ = [
     "AdvantageEstimator",
     "FixedKLController",
     "KLKind",
+    "RewardNorm",
     "RunningMoments",
     "check_ndim",
     "check_same_shape",
     "entropy_from_logits",
+    "explained_variance",
     "gae",
     "gather_logprobs",
     "group_advantages",
@@ -49,10 +52,12 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_penalized_rewards",
     "logprob_mismatch",
     "masked_mean",
     "masked_sum",
     "masked_var",
+    "normalize_scores",
     "overlong_mask",
     "overlong_penalty",
     "register_advantage",
