@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from alignlit.checks import validate_optimizer_args
 from alignlit.models.export import export_pretrained
 
 
@@ -65,16 +66,13 @@ class Optim:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        if not (math.isfinite(self.lr) and 0 < self.lr <= 10):
-            raise ValueError(f"optim.lr must be in (0, 10], got {self.lr}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        validate_optimizer_args(
+            self.lr,
+            self.weight_decay,
+            self.betas,
+            warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
     def build(self, params, *, total_steps: int | Callable[[], int]) -> dict[str, Any]:
         """AdamW over ``params`` plus :func:`warmup_cosine` over ``total_steps`` (an int, or a callable

@@ -174,7 +174,9 @@ class PPOModule(OnlineModule):
             raise ValueError(
                 "critic: give a scalar-model directory (the policy is a TinyLlama spec, not a directory)"
             )
-        self.critic, critic_tokenizer = load_scalar_model(critic_dir, dtype=kwargs.get("dtype", "float32"))
+        self.critic, critic_tokenizer = load_scalar_model(
+            critic_dir, head="fresh", dtype=kwargs.get("dtype", "float32")
+        )
         disable_dropout(self.critic).train()
         if critic_tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(
