@@ -246,6 +246,54 @@ class PreferenceModel:
         """(N,) ``P(responses_a[i] ≻ responses_b[i] | prompts[i])``, averaged over both orders."""
         return self.prob_both_orders(prompts, responses_a, responses_b)[0]
 
+    def rank(
+        self,
+        prompts: Sequence[str | list[dict]],
+        responses_per_prompt: Sequence[Sequence[str]],
+        *,
+        mode: str = "round_robin",
+        reference_responses: Sequence[str] | None = None,
+    ) -> list[torch.Tensor]:
+        """Scores that rank each prompt's responses (RLHF-Workflow §2.2, §3.3); one (n_i,) tensor per prompt.
+
+        ``mode="round_robin"``: every response against every other response of its prompt,
+        ``score_i = mean_{j≠i} P(y_i ≻ y_j)``, the mean win probability, with ``P`` averaged over both
+        presentation orders (:meth:`prob_both_orders`). The average is antisymmetric,
+        ``P(y_j ≻ y_i) = 1 - P(y_i ≻ y_j)``, so each unordered pair is judged once (``n(n-1)/2`` pairs,
+        two forwards each); the scores of a prompt sum to ``n/2``, and a lone response scores ½.
+        ``mode="reference"``: ``score_i = P(y_i ≻ y_ref)`` against the prompt's ``reference_responses``
+        entry (``n`` pairs).
+        """
+        if mode not in ("round_robin", "reference"):
+            raise ValueError(f"rank mode must be 'round_robin' or 'reference', got {mode!r}")
+        _check_lengths(prompts=prompts, responses_per_prompt=responses_per_prompt)
+        if (mode == "reference") != (reference_responses is not None):
+            raise ValueError(
+                "rank: mode 'reference' needs reference_responses (one per prompt); 'round_robin' takes none"
+            )
+        if reference_responses is not None:
+            _check_lengths(prompts=prompts, reference_responses=reference_responses)
+        rows: list[tuple[int, int, int | None]] = []  # (prompt, i, j); j None: the reference
+        for p, responses in enumerate(responses_per_prompt):
+            if mode == "reference":
+                rows += [(p, i, None) for i in range(len(responses))]
+            else:
+                rows += [(p, i, j) for i in range(len(responses)) for j in range(i + 1, len(responses))]
+        scores = [torch.zeros(len(r)) for r in responses_per_prompt]
+        if rows:
+            prob = self.prob(
+                [prompts[p] for p, _, _ in rows],
+                [responses_per_prompt[p][i] for p, i, _ in rows],
+                [reference_responses[p] if j is None else responses_per_prompt[p][j] for p, _, j in rows],
+            )  # (len(rows),) P(y_i ≻ y_j)
+            for (p, i, j), value in zip(rows, prob.tolist()):
+                scores[p][i] += value
+                if j is not None:
+                    scores[p][j] += 1.0 - value
+        if mode == "reference":
+            return scores
+        return [s / (len(s) - 1) if len(s) > 1 else torch.full_like(s, 0.5) for s in scores]
+
 
 def load_preference_model(
     path: str | Path, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu"

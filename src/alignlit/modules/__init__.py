@@ -25,3 +25,11 @@ __all__ += ["DPOModule", "RRHFModule"]
 from alignlit.modules.policy_gradient import PolicyGradientModule  # noqa: E402
 
 __all__ += ["PolicyGradientModule"]
+
+from alignlit.modules.online_dpo import OnlineDPOModule, PreferenceRanking  # noqa: E402
+
+__all__ += ["OnlineDPOModule", "PreferenceRanking"]
+
+from alignlit.modules.online_rrhf import OnlineRRHFModule  # noqa: E402
+
+__all__ += ["OnlineRRHFModule"]

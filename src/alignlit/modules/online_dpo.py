@@ -1,0 +1,386 @@
+"""Online iterative DPO (RLHF-Workflow §3; algorithms.md §6) on the online-stage base.
+
+One ``training_step`` is one iteration ``t``: the DataModule's next prompt batch is the iteration's
+fresh slice of prompts, the base samples ``n`` responses per prompt from the current policy through
+the :class:`~alignlit.rollout.RolloutLoop` and scores them, and :meth:`OnlineDPOModule.train_on` pairs
+the best of ``n`` with the worst of ``n``, writes the iteration's data as JSONL and trains a registered
+preference loss on the pairs for ``dpo_epochs`` passes. ``T`` is the run's length in training steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from alignlit.data.pairs_from_rm import RankedGroup, best_worst_pairs, write_jsonl
+from alignlit.data.preference import PairEncoder, PairExample, collate_preference, parse_pairs
+from alignlit.data.processing import Pair
+from alignlit.data.records import read_records
+from alignlit.losses import PreferenceLoss
+from alignlit.models.reward import load_preference_model
+from alignlit.models.tiny import TinyLlama
+from alignlit.modules.online import OnlineModule, _mean_metrics
+from alignlit.modules.preference_objective import PreferenceObjective
+from alignlit.rollout.base import Rollout
+from alignlit.rollout.loop import Experience
+from alignlit.rollout.reward import Reward
+
+LengthUnit = Literal["tokens", "characters"]
+
+
+def length_reward_correlation(rewards: torch.Tensor, lengths: torch.Tensor) -> tuple[float, int, int]:
+    """Pearson correlation of reward and length within each prompt, averaged over prompts
+    (RLHF-Workflow §2.3, Fig. 5: ``n`` samples per prompt, one correlation per prompt).
+
+    Args:
+        rewards: (B, n) rewards of each prompt's samples.
+        lengths: (B, n) their lengths.
+
+    Returns:
+        ``(mean correlation, prompts used, prompts excluded)``: prompts whose rewards or lengths are
+        all equal have no correlation and are excluded (counted); the mean is NaN when none is left.
+    """
+    if rewards.dim() != 2 or rewards.shape != lengths.shape:
+        raise ValueError(
+            f"rewards and lengths must both be (B, n), got {tuple(rewards.shape)} and {tuple(lengths.shape)}"
+        )
+    r, n = rewards.double(), lengths.double()  # (B, n)
+    varies = (r.amax(-1) > r.amin(-1)) & (n.amax(-1) > n.amin(-1))  # (B,)
+    r, n = r[varies] - r[varies].mean(-1, keepdim=True), n[varies] - n[varies].mean(-1, keepdim=True)
+    corr = (r * n).sum(-1) / (r.pow(2).sum(-1) * n.pow(2).sum(-1)).sqrt()  # (B',)
+    used = int(varies.sum())
+    return (float(corr.mean()) if used else float("nan")), used, len(varies) - used
+
+
+def length_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+    """Mean response length (tokens, characters) and the per-prompt reward-length correlation of a
+    rollout of ``n`` samples per prompt (:func:`length_reward_correlation`, token lengths)."""
+    tokens = rollout.response_lengths.float()  # (N,)
+    corr, used, excluded = length_reward_correlation(rewards.view(-1, rollout.n), tokens.view(-1, rollout.n))
+    metrics = {
+        "reward/raw": float(rewards.mean()),
+        "response/length": float(tokens.mean()),
+        "response/chars": sum(map(len, rollout.texts)) / len(rollout),
+        "length/corr_prompts": float(used),
+        "length/corr_excluded": float(excluded),
+    }
+    if used:
+        metrics["length/reward_corr"] = corr
+    return metrics
+
+
+class PreferenceRanking:
+    """A pairwise preference model (a :class:`~alignlit.modules.PairwisePrefModule` export) as the reward
+    of an online stage: the ``n`` samples of each prompt are scored together by
+    :meth:`~alignlit.models.PreferenceModel.rank` (RLHF-Workflow §2.2, §3.3), so best-of-n and worst-of-n
+    come from the preference model. Single samples (validation) score ½ in ``round_robin`` mode.
+
+    Args:
+        model: the preference model's export directory.
+        mode: ``"round_robin"`` (each sample's mean win probability against the prompt's other samples)
+            or ``"reference"`` (its win probability against the prompt's reference response).
+        references: records with ``prompt`` and ``response`` fields (e.g. SFT data) giving each
+            prompt's reference response; ``mode: reference`` only.
+        batch_size: pairs per forward pass (each pair is judged in both orders).
+        dtype: dtype the model is loaded in.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        mode: Literal["round_robin", "reference"] = "round_robin",
+        references: str | None = None,
+        batch_size: int = 16,
+        dtype: str = "float32",
+    ):
+        if (mode == "reference") != (references is not None):
+            raise ValueError(
+                "PreferenceRanking: mode 'reference' needs `references`; 'round_robin' takes none"
+            )
+        self.ranker = load_preference_model(model, batch_size=batch_size, dtype=dtype)
+        self.mode, self.references_file = mode, references
+        self.references = (
+            {r.text("prompt"): r.text("response") for r in read_records(references)} if references else {}
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The preference model's network (an online stage moves it with the module and keeps it frozen)."""
+        return self.ranker.model
+
+    def score_rollout(self, rollout: Rollout) -> torch.Tensor:
+        """(N,) scores of the samples of ``rollout``, ranked within each prompt's group of ``n``."""
+        n = rollout.n
+        prompts = rollout.prompts[::n]
+        groups = [rollout.texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        refs = None
+        if self.mode == "reference":
+            missing = [p for p in prompts if p not in self.references]
+            if missing:
+                raise KeyError(
+                    f"{self.references_file}: no reference response for prompt {missing[0]!r} "
+                    f"({len(missing)} of {len(prompts)} prompts have none)"
+                )
+            refs = [self.references[p] for p in prompts]
+        return torch.cat(self.ranker.rank(prompts, groups, mode=self.mode, reference_responses=refs))
+
+
+class OnlineDPOModule(OnlineModule):
+    """Online iterative DPO (RLHF-Workflow §3.3; algorithms.md §6): one training step is one iteration.
+
+    Iteration ``t`` samples ``rollout.samples_per_prompt = n >= 2`` responses for each prompt of the
+    DataModule's next batch, scores them with the reward (a reward-model directory, any reward callable,
+    or a preference model through :class:`PreferenceRanking`), optionally length-penalised
+    ``r - λ|y|`` (RLHF-Workflow eq. 8), and pairs the best of ``n`` with the worst of ``n``
+    (:func:`~alignlit.data.best_worst_pairs`; pairs of identical responses and pairs whose penalised
+    gap is ``<= min_gap`` are dropped and counted). The policy, continuing from the last iterate, then
+    trains ``loss_type`` (any registered preference loss, plus the RPO SFT term) on the training pairs
+    for ``dpo_epochs`` shuffled passes of ``rollout.minibatch_size`` pairs, one optimizer step each.
+    Pairs are re-tokenised from their texts (``prompt + response + EOS``, as offline DPO reads them).
+    Each iteration's data is written to ``data_dir`` as ``iter_<t>.ranked.jsonl`` (``{"prompt",
+    "responses", "scores", "lengths"}``, raw scores, token lengths, best first, blank samples left out)
+    and ``iter_<t>.pairs.jsonl`` (``{"prompt", "chosen", "rejected", "chosen_score",
+    "rejected_score"}``, penalised scores), both readable by alignlit's data modules. Logged every
+    iteration: the length diagnostics (mean length, per-prompt reward-length correlation), pair counts
+    and the loss's metrics (``dpo/*``). An iteration without any training pair is skipped and counted.
+    Single process only (ranks would keep different numbers of pairs, so take different numbers of
+    optimizer steps).
+
+    Args:
+        policy: see :class:`~alignlit.modules.online.OnlineModule`.
+        reward: see :class:`~alignlit.modules.online.OnlineModule`; or a :class:`PreferenceRanking`.
+        loss_type: a registered preference loss (``dpo``, ``ipo``, ``hinge``, ``simpo``, ``slic``), a
+            dotted path or a ``class_path`` (see :class:`~alignlit.modules.DPOModule`).
+        loss_args: hyperparameters of a registered loss (dpo: ``{beta: 0.1, label_smoothing: 0.0}``).
+        beta: shortcut for ``loss_args: {beta: ...}``.
+        sft_weight: ``α`` of the RPO term ``α·NLL(y_w|x)/|y_w|``.
+        length_penalty: ``λ >= 0`` of ``r - λ|y|`` used to choose best and worst.
+        length_unit: what ``|y|`` counts: ``"tokens"`` (the sampled response tokens) or ``"characters"``
+            (of the response text, as in RLHF-Workflow eq. 8).
+        min_gap: pairs whose penalised reward gap is ``<= min_gap`` are dropped.
+        pairs_from: train on the pairs of ``"all"`` iterations so far (algorithms.md §6) or only the
+            ``"newest"`` iteration's.
+        offline_pairs: a preference file (any format :class:`~alignlit.data.PreferenceDataModule` reads)
+            whose pairs are mixed into every iteration's training pairs (hybrid learning).
+        offline_pairs_per_iteration: offline pairs per iteration, consecutive slices of one seeded
+            permutation (wrapping around); None: all of them every iteration.
+        dpo_epochs: passes over an iteration's training pairs.
+        reference_update: ``"initial"`` keeps ``π_0`` as the reference; ``"last_iterate"`` sets it to the
+            policy at the start of each iteration ``t >= 2`` (its weights are then saved in checkpoints,
+            and ``val/kl`` is measured against it).
+        max_length: longest ``prompt + response`` of a training pair in tokens (responses are cut).
+        max_prompt_length: prompts of training pairs are left-truncated to this many tokens.
+        data_dir: where the iterations' JSONL files go (default: ``<log dir>/online_dpo_data``).
+        **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference, rollout,
+            optim, max_grad_norm, ptx, prompt_filter, gold, val_sampling, reward_batch_size, dtype,
+            curves_file, export_dir); ``tis_cap`` does not apply (no policy-gradient loss).
+    """
+
+    stage = "online_dpo"
+    curve_panels = (
+        ("reward/raw", "reward (raw)"),
+        ("response/length", "response length (tokens)"),
+        ("length/reward_corr", "per-prompt corr(reward, length)"),
+        ("pairs/new", "pairs kept this iteration"),
+        ("pairs/train", "training pairs"),
+        ("dpo/loss", "preference loss"),
+        ("dpo/rewards/accuracy", "implicit reward accuracy"),
+        ("dpo/rewards/margin", "implicit reward margin"),
+        ("val/gold", "held-out gold reward"),
+        ("val/kl", "held-out KL to the reference"),
+        ("val/length", "held-out length (tokens)"),
+        ("time/rollout_s", "rollout time (s)"),
+    )
+
+    def __init__(
+        self,
+        policy: str | TinyLlama,
+        reward: str | Reward,
+        loss_type: str | PreferenceLoss = "dpo",
+        loss_args: dict[str, Any] | None = None,
+        beta: float | None = None,
+        sft_weight: float = 0.0,
+        length_penalty: float = 0.0,
+        length_unit: LengthUnit = "tokens",
+        min_gap: float = 0.0,
+        pairs_from: Literal["all", "newest"] = "all",
+        offline_pairs: str | None = None,
+        offline_pairs_per_iteration: int | None = None,
+        dpo_epochs: int = 2,
+        reference_update: Literal["initial", "last_iterate"] = "initial",
+        max_length: int = 512,
+        max_prompt_length: int = 256,
+        data_dir: str | None = None,
+        **kwargs,
+    ):
+        choices = {
+            "length_unit": (length_unit, ("tokens", "characters")),
+            "pairs_from": (pairs_from, ("all", "newest")),
+            "reference_update": (reference_update, ("initial", "last_iterate")),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if not (length_penalty >= 0 and min_gap >= 0 and dpo_epochs >= 1):
+            raise ValueError(
+                f"length_penalty and min_gap must be >= 0 and dpo_epochs >= 1, got {length_penalty}, "
+                f"{min_gap}, {dpo_epochs}"
+            )
+        if offline_pairs_per_iteration is not None and (
+            offline_pairs is None or offline_pairs_per_iteration < 1
+        ):
+            raise ValueError("offline_pairs_per_iteration must be >= 1 and needs offline_pairs")
+        if kwargs.get("tis_cap") is not None:
+            raise ValueError("tis_cap weights policy-gradient token losses; online DPO has none")
+        rollout = kwargs.get("rollout")
+        n, epochs = (rollout.samples_per_prompt, rollout.epochs) if rollout is not None else (1, 1)
+        if n < 2 or epochs != 1:
+            raise ValueError(
+                "online DPO needs rollout.samples_per_prompt >= 2 (best vs worst of n) and rollout.epochs = 1 "
+                f"(its passes over the pairs are dpo_epochs); got {n} and {epochs}"
+            )
+        objective = PreferenceObjective(loss_type, loss_args, beta=beta, sft_weight=sft_weight)
+        super().__init__(policy, reward, **kwargs)
+        self.save_hyperparameters(
+            ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling", "loss_type"]
+        )
+        self.objective = objective
+        self.hparams["loss_type"] = objective.name
+        self.encoder = PairEncoder(self.tokenizer, max_length=max_length, max_prompt_length=max_prompt_length)
+        self.data_dir = data_dir
+        self.offline: list[Pair] = []
+        if offline_pairs is not None:
+            pairs = [p for r in read_records(offline_pairs) for p in parse_pairs(r, self.tokenizer)[0]]
+            self.offline = [p for p in pairs if p.chosen != p.rejected]
+            if not self.offline:
+                raise ValueError(f"offline_pairs {offline_pairs!r}: no pair with two different responses")
+            if len(self.offline) < len(pairs):
+                print(f"alignlit: offline_pairs: dropped {len(pairs) - len(self.offline)} identical pairs")
+        self.iteration_pairs: list[list[dict]] = []
+        """The kept pairs of every iteration so far (online state)."""
+
+    # ------------------------------------------------------------------ setup and state
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            raise ValueError(
+                f"online DPO runs in a single process: the {self.trainer.world_size} ranks would keep different "
+                "numbers of pairs and take different numbers of optimizer steps"
+            )
+
+    def frozen_prefixes(self) -> list[str]:
+        moving = self.hparams.reference_update == "last_iterate"
+        return [p for p in super().frozen_prefixes() if not (moving and p == "reference.")]
+
+    def online_state_dict(self) -> dict[str, Any]:
+        return {"iteration_pairs": [list(pairs) for pairs in self.iteration_pairs]}
+
+    def load_online_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration_pairs = [list(pairs) for pairs in state["iteration_pairs"]]
+
+    # ------------------------------------------------------------------ one iteration
+    def groups(self, experience: Experience) -> list[RankedGroup]:
+        """One group per prompt: its ``n`` samples, raw scores and lengths in ``length_unit``."""
+        rollout, n = experience.rollout, experience.rollout.n
+        tokens = rollout.response_lengths.tolist()
+        scores = experience.rewards.tolist()
+        by_chars = self.hparams.length_unit == "characters"
+        return [
+            RankedGroup(
+                rollout.prompts[i * n],
+                rollout.texts[i * n : (i + 1) * n],
+                scores[i * n : (i + 1) * n],
+                [len(t) for t in rollout.texts[i * n : (i + 1) * n]]
+                if by_chars
+                else tokens[i * n : (i + 1) * n],
+                source=f"iteration {self.rollout.rollouts}, prompt {i}",
+            )
+            for i in range(len(rollout) // n)
+        ]
+
+    def data_path(self, t: int) -> Path | None:
+        """Where iteration ``t``'s files go (None: no trainer and no ``data_dir``, nothing is written)."""
+        root = self.data_dir
+        if root is None and self._trainer is not None:
+            root = str(Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{self.stage}_data")
+        return None if root is None else Path(root) / f"iter_{t:04d}"
+
+    def write_iteration(self, t: int, experience: Experience, pairs: list[dict]) -> None:
+        """Write iteration ``t``'s ranked samples and pairs as JSONL, atomically."""
+        path = self.data_path(t)
+        if path is None or (self._trainer is not None and not self.trainer.is_global_zero):
+            return
+        rollout, n = experience.rollout, experience.rollout.n
+        tokens, scores = rollout.response_lengths.tolist(), experience.rewards.tolist()
+        ranked = []
+        for i in range(len(rollout) // n):
+            rows = [j for j in range(i * n, (i + 1) * n) if rollout.texts[j].strip()]
+            if rows:
+                group = RankedGroup(
+                    rollout.prompts[i * n], [rollout.texts[j] for j in rows], [scores[j] for j in rows],
+                    [tokens[j] for j in rows],
+                )  # fmt: skip
+                ranked.append(group.ranked().to_record())
+        write_jsonl(ranked, path.with_name(path.name + ".ranked.jsonl"))
+        write_jsonl(pairs, path.with_name(path.name + ".pairs.jsonl"))
+
+    def offline_slice(self, t: int) -> list[Pair]:
+        """The offline pairs of iteration ``t``: all, or slice ``t`` of a seeded permutation."""
+        k = self.hparams.offline_pairs_per_iteration
+        if k is None or not self.offline:
+            return list(self.offline)
+        order = torch.randperm(len(self.offline), generator=torch.Generator().manual_seed(self.rollout.seed))
+        start = (t - 1) * k
+        return [self.offline[int(order[(start + i) % len(order)])] for i in range(k)]
+
+    def encode(self, pairs: list[Pair]) -> list[PairExample]:
+        return [
+            PairExample(
+                self.encoder.encode(p.prompt, p.chosen, f"{p.source}, chosen"),
+                self.encoder.encode(p.prompt, p.rejected, f"{p.source}, rejected"),
+                p.margin,
+                p,
+            )
+            for p in pairs
+        ]
+
+    def train_on(self, experience: Experience) -> dict[str, float]:
+        hp, t = self.hparams, self.rollout.rollouts
+        metrics = length_metrics(experience.rollout, experience.rewards)
+        groups = self.groups(experience)
+        if hp.length_penalty > 0:
+            metrics["reward/penalised"] = sum(
+                sum(g.penalised_scores(hp.length_penalty)) for g in groups
+            ) / len(experience)
+        pairs, counts = best_worst_pairs(groups, length_penalty=hp.length_penalty, min_gap=hp.min_gap)
+        self.iteration_pairs.append(pairs)
+        self.write_iteration(t, experience, pairs)
+        online = [p for it in self.iteration_pairs for p in it] if hp.pairs_from == "all" else pairs
+        offline = self.offline_slice(t)
+        train = [Pair(p["prompt"], p["chosen"], p["rejected"], 0.0, f"iteration {t}") for p in online]
+        metrics.update(
+            {f"pairs/{k}": float(v) for k, v in counts.items() if k != "kept"}
+            | {"pairs/new": float(len(pairs)), "pairs/offline": float(len(offline))}
+            | {"pairs/train": float(len(train) + len(offline))}
+        )
+        if not train + offline:
+            return {**metrics, **self.skip(f"no preference pair to train on ({dict(counts)})")}
+        if hp.reference_update == "last_iterate" and t >= 2:
+            self.reference.load_state_dict(self.policy.state_dict())
+        examples = self.encode(train + offline)
+        reference = self.reference if self.objective.needs_reference else None
+        pad_id, records = self.tokenizer.pad_token_id, []
+        for _ in range(hp.dpo_epochs):
+            for rows in self.rollout.minibatches(len(examples)):
+                batch = collate_preference([examples[i] for i in rows.tolist()], pad_id)
+                batch.input_ids, batch.attention_mask, batch.loss_mask = (
+                    x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+                )
+                loss, loss_metrics = self.objective(self.policy, batch, reference)
+                loss = self.add_ptx(loss, loss_metrics, what=f"online {self.objective.name} loss")
+                loss_metrics["grad_norm"] = self.update("policy", loss)
+                records.append(loss_metrics)
+        metrics.update({f"dpo/{k}": v for k, v in _mean_metrics(records).items()})
+        return metrics
