@@ -257,3 +257,16 @@ def test_a_model_whose_logits_are_not_its_head_of_its_decoder_is_detected(tokeni
 
     model.forward = shifted
     assert "not its LM head applied" in fwd.forward_support(model).fused_head
+
+
+def test_token_nll_is_the_masked_nll_of_the_full_logits(model):
+    from alignlit.losses.lm import masked_nll, shift_for_next_token
+
+    ids, attention, loss = pair_batch()
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    expected, expected_metrics = masked_nll(*shift_for_next_token(logits, ids, loss))
+    got, metrics = fwd.token_nll(model, ids, attention, loss)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert int(metrics["tokens"]) == int(expected_metrics["tokens"]) == 14
+    torch.testing.assert_close(metrics["ppl"], expected_metrics["ppl"], atol=1e-5, rtol=1e-6)
+    assert not metrics["nll"].requires_grad

@@ -1,7 +1,8 @@
 """Teacher-forced forward passes every stage shares.
 
 - :func:`token_logprobs`: log-probs (and entropies) of the loss-masked tokens of right-padded
-  ``prompt + response`` rows (SFT/DPO/RRHF batches, DPO's reference cache);
+  ``prompt + response`` rows (SFT/DPO/RRHF batches, DPO's reference cache), and :func:`token_nll`,
+  their token-mean NLL (SFT, ptx);
 - :func:`response_logprobs` / :func:`response_token_logprobs`: log-probs (and entropies) of sampled
   responses given left-padded prompts (rollouts: old/reference log-probs, PPO and policy-gradient
   losses, the engine parity check);
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, linear_logprobs
+from alignlit.ops.stats import masked_mean
 
 log = logging.getLogger(__name__)
 
@@ -559,6 +561,32 @@ def token_logprobs(
         labels
     )  # column t scores t + 1
     return _fused_scored(model, plan, predictor, labels, mask, **options)
+
+
+def token_nll(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    fused_head: bool | None = None,
+    packing: bool | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-mean next-token NLL over the loss-masked tokens of right-padded sequences (SFT, ptx).
+
+    The loss of :func:`alignlit.losses.lm.masked_nll` with ``reduction="token_mean"`` on the model's
+    shifted logits, computed by :func:`token_logprobs` (fused head, packed).
+
+    Returns:
+        ``(loss, metrics)``: metrics ``nll`` (detached loss), ``ppl`` (``exp(nll)``) and ``tokens``
+        (number of scored tokens).
+    """
+    scored = token_logprobs(
+        model, input_ids, attention_mask, loss_mask, fused_head=fused_head, packing=packing
+    )  # (N, T-1)
+    loss = -masked_mean(scored.logprobs, scored.mask)
+    nll = loss.detach()
+    return loss, {"nll": nll, "ppl": torch.exp(nll), "tokens": scored.mask.sum()}
 
 
 def _concat(prompt_ids, prompt_mask, response_ids, response_mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from torchmetrics import CatMetric, MeanMetric, PearsonCorrCoef
 from alignlit.data.preference import PreferenceBatch
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
+from alignlit.models.forward import sequence_scores
 from alignlit.models.loading import last_token_index, load_scalar_model
 from alignlit.models.reward import resolve_model_path
 from alignlit.modules.base import AlignModule, Optim, check_finite
@@ -109,7 +110,7 @@ class RewardModule(AlignModule):
         """(2B,) scores of the stacked chosen/rejected rows, and the LM imitation NLL of the chosen
         responses (None without the LM head)."""
         if self.lm_head is None:
-            return self.rm(batch.input_ids, batch.attention_mask), None
+            return sequence_scores(self.rm, batch.input_ids, batch.attention_mask, batch.loss_mask), None
         hf = self.rm.hf_model
         mask = batch.attention_mask
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -6,7 +6,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.data.encoding import LMBatch
-from alignlit.losses.lm import masked_nll, shift_for_next_token
+from alignlit.models.forward import token_nll
 from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
@@ -45,8 +45,7 @@ class SFTModule(AlignModule):
 
     def nll(self, batch: LMBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Token-mean NLL over the batch's response tokens."""
-        logits = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return masked_nll(*shift_for_next_token(logits, batch.input_ids, batch.loss_mask))
+        return token_nll(self.policy, batch.input_ids, batch.attention_mask, batch.loss_mask)
 
     def training_step(self, batch: LMBatch, batch_idx: int) -> torch.Tensor:
         loss, metrics = self.nll(batch)
