@@ -267,6 +267,6 @@ def test_token_nll_is_the_masked_nll_of_the_full_logits(model):
     expected, expected_metrics = masked_nll(*shift_for_next_token(logits, ids, loss))
     got, metrics = fwd.token_nll(model, ids, attention, loss)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    assert int(metrics["tokens"]) == int(expected_metrics["tokens"]) == 14
+    assert int(metrics["tokens"]) == int(expected_metrics["tokens"]) == 11  # 2+1+3 chosen, 1+3+1 rejected
     torch.testing.assert_close(metrics["ppl"], expected_metrics["ppl"], atol=1e-5, rtol=1e-6)
     assert not metrics["nll"].requires_grad
