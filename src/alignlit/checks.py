@@ -1,7 +1,8 @@
-"""Argument checks shared across layers (this module imports nothing from alignlit)."""
+"""Argument checks and resolution shared across layers (this module imports nothing from alignlit)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Sequence
 
@@ -47,3 +48,18 @@ def validate_optimizer_args(
         raise bad("warmup_steps", warmup_steps, "an integer >= 0")
     if min_lr_ratio is not None and not (math.isfinite(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
         raise bad("min_lr_ratio", min_lr_ratio, "in [0, 1]")
+
+
+def import_object(path: str):
+    """The object at a dotted path, ``package.module.name`` or ``package.module:name`` (config values
+    naming a reward function, a preference loss, ...). Raises ``ImportError`` naming what is missing."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"{path!r} is not a dotted path 'package.module.name'")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError as e:
+        raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from e

@@ -18,7 +18,6 @@ config value (a registered name, the dotted path of a registered function, or a 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from alignlit.checks import import_object
 from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_metrics
 from alignlit.ops.stats import check_ndim, check_same_shape
 
@@ -239,12 +239,9 @@ class BoundPreferenceLoss:
 
 
 def _import(path: str) -> Any:
-    module, sep, attr = path.partition(":")
-    if not sep:
-        module, _, attr = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        return import_object(path)
+    except ImportError as e:
         raise ValueError(f"loss_type {path!r}: cannot import it ({e})") from e
 
 

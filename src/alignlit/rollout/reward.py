@@ -15,13 +15,13 @@ function) into one.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from alignlit.checks import import_object
 from alignlit.rollout.base import Rollout
 
 
@@ -94,20 +94,6 @@ def score_rollout(reward: Reward, rollout: Rollout) -> torch.Tensor:
     if isinstance(reward, RolloutScorer):
         return _checked(reward.score_rollout(rollout), len(rollout), rollout.prompts, rollout.texts)
     return score_texts(reward, rollout.prompts, rollout.texts)
-
-
-def import_object(path: str):
-    """The object at a dotted path, ``package.module.name`` or ``package.module:name``."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ImportError(f"{path!r} is not a dotted path 'package.module.name'")
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError as e:
-        raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from e
 
 
 def resolve_reward(spec: str | Reward, *, batch_size: int = 64, dtype: str = "float32") -> Reward:
