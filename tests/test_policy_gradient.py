@@ -542,14 +542,28 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
 
 
 # ---------------------------------------------------------------------- configs
-CONFIGS = [ROOT / "configs/quickstart/grpo.yaml", ROOT / "configs/quickstart/rloo.yaml"]
+DAPO = [
+    "--model.init_args.clip_high=0.28",
+    "--model.init_args.aggregation=token_mean",
+    "--model.init_args.dynamic_sampling.max_tries=2",
+    "--model.init_args.overlong.mode=filter",
+]
+CONFIGS = [
+    (ROOT / "configs/quickstart/grpo.yaml", []),
+    (ROOT / "configs/quickstart/rloo.yaml", []),
+    (ROOT / "configs/quickstart/rloo.yaml", ["--model.init_args.advantage=reinforce_pp"]),
+    (ROOT / "configs/quickstart/grpo.yaml", DAPO),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
-    """Each shipped config runs two rollouts on the tiny model through the CLI, with its own logger and
-    checkpoint callback (relative paths land in tmp_path); model and data paths overridden."""
+@pytest.mark.parametrize(
+    ("config", "overrides"), CONFIGS, ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo"]
+)
+def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
+    """Each shipped config (and the README's REINFORCE++ and DAPO overrides) runs two rollouts on the tiny
+    model through the CLI, with its own logger and checkpoint callback (relative paths land in tmp_path);
+    model and data paths overridden."""
     from alignlit.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -570,6 +584,7 @@ def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, rm_dir,
             "--trainer.limit_train_batches=2",
             "--trainer.limit_val_batches=1",
             "--trainer.val_check_interval=2",
+            *overrides,
         ]
     )
     assert (tmp_path / "export" / "config.json").exists()
@@ -579,6 +594,10 @@ def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, rm_dir,
     assert [h["rollout"] for h in history if "val/reward" in h] == [0.0, 2.0]  # before training, after 2
     last = torch.load(tmp_path / f"out/quickstart/checkpoints/{config.stem}/last.ckpt", weights_only=True)
     assert last["policy_gradient_state"]["rollout"]["rollouts"] == 2
+    if overrides == DAPO:
+        assert all(
+            "dynamic/informative_frac" in h and "dynamic/tries" in h for h in history if "reward/raw" in h
+        )
 
 
 # ---------------------------------------------------------------------- vLLM
