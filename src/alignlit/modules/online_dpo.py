@@ -170,8 +170,8 @@ class OnlineDPOModule(OnlineModule):
         reference_update: ``"initial"`` keeps ``π_0`` as the reference; ``"last_iterate"`` sets it to the
             policy at the start of each iteration ``t >= 2`` (its weights are then saved in checkpoints,
             and ``val/kl`` is measured against it).
-        max_length: longest ``prompt + response`` of a training pair in tokens (responses are cut).
-        max_prompt_length: prompts of training pairs are left-truncated to this many tokens.
+        train_max_length: longest ``prompt + response`` of a training pair in tokens (responses are cut).
+        train_max_prompt_length: prompts of training pairs are left-truncated to this many tokens.
         data_dir: where the iterations' JSONL files go (default: ``<log dir>/online_dpo_data``).
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference, rollout,
             optim, max_grad_norm, ptx, prompt_filter, gold, val_sampling, reward_batch_size, dtype,
@@ -210,8 +210,8 @@ class OnlineDPOModule(OnlineModule):
         offline_pairs_per_iteration: int | None = None,
         dpo_epochs: int = 2,
         reference_update: Literal["initial", "last_iterate"] = "initial",
-        max_length: int = 512,
-        max_prompt_length: int = 256,
+        train_max_length: int = 512,
+        train_max_prompt_length: int = 256,
         data_dir: str | None = None,
         **kwargs,
     ):
@@ -248,7 +248,9 @@ class OnlineDPOModule(OnlineModule):
         )
         self.objective = objective
         self.hparams["loss_type"] = objective.name
-        self.encoder = PairEncoder(self.tokenizer, max_length=max_length, max_prompt_length=max_prompt_length)
+        self.encoder = PairEncoder(
+            self.tokenizer, max_length=train_max_length, max_prompt_length=train_max_prompt_length
+        )
         self.data_dir = data_dir
         self.offline: list[Pair] = []
         if offline_pairs is not None:

@@ -73,8 +73,8 @@ class OnlineRRHFModule(OnlineModule):
             target after every resample); None: off.
         extra_responses: a file of responses from other sources added to their prompt's set (see
             :func:`read_extra_responses`); prompts it lacks get only their samples.
-        max_length: longest ``prompt + response`` in tokens (responses are cut).
-        max_prompt_length: prompts are left-truncated to this many tokens.
+        train_max_length: longest ``prompt + response`` in tokens (responses are cut).
+        train_max_prompt_length: prompts are left-truncated to this many tokens.
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference, rollout,
             optim, max_grad_norm, ptx, prompt_filter, gold, val_sampling, reward_batch_size, dtype,
             curves_file, export_dir); ``tis_cap`` does not apply.
@@ -105,8 +105,8 @@ class OnlineRRHFModule(OnlineModule):
         resample_every: int = 8,
         kl: KLPenalty | None = None,
         extra_responses: str | None = None,
-        max_length: int = 512,
-        max_prompt_length: int = 256,
+        train_max_length: int = 512,
+        train_max_prompt_length: int = 256,
         **kwargs,
     ):
         if not (rank_weight >= 0 and sft_weight >= 0 and resample_every >= 1):
@@ -126,7 +126,7 @@ class OnlineRRHFModule(OnlineModule):
         self.kl = kl
         self.kl_ctl = kl.controller() if kl is not None else None
         self.truncation = Truncation(
-            self.tokenizer, max_length=max_length, max_prompt_length=max_prompt_length
+            self.tokenizer, max_length=train_max_length, max_prompt_length=train_max_prompt_length
         )
         self.extras = read_extra_responses(extra_responses) if extra_responses else {}
         if self.extras and not callable(self.reward) and not hasattr(self.reward, "score"):
