@@ -234,6 +234,11 @@ class OnlineDPOModule(OnlineModule):
             raise ValueError("offline_pairs_per_iteration must be >= 1 and needs offline_pairs")
         if kwargs.get("tis_cap") is not None:
             raise ValueError("tis_cap weights policy-gradient token losses; online DPO has none")
+        if kwargs.get("lora") is not None and reference_update == "last_iterate":
+            raise ValueError(
+                "reference_update 'last_iterate' copies the policy's weights into a reference model of its "
+                "own; with lora the reference is the policy with its adapter disabled: use 'initial'"
+            )
         rollout = kwargs.get("rollout")
         n, epochs = (rollout.samples_per_prompt, rollout.epochs) if rollout is not None else (1, 1)
         if n < 2 or epochs != 1:
