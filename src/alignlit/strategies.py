@@ -31,17 +31,41 @@ def _decoder_layers(model: nn.Module):
     return layers
 
 
+def _tensor_parallel_plan(layer: nn.Module, styles: dict[str, str]) -> dict:
+    """The DTensor plan of one decoder layer: ``styles`` maps each projection to ``colwise`` or
+    ``rowwise``; a projection with a LoRA adapter gets its base layer and one adapter factor sharded."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    make = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {}
+    for path, style in styles.items():
+        module = layer.get_submodule(path)
+        base = getattr(module, "base_layer", None)
+        if base is None:
+            plan[path] = make[style]()
+            continue
+        adapters = module.lora_A if style == "rowwise" else module.lora_B
+        plan[f"{path}.base_layer"] = make[style]()
+        for name in adapters:
+            plan[f"{path}.{'lora_A' if style == 'rowwise' else 'lora_B'}.{name}"] = make[style]()
+    return plan
+
+
 def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
     """Shard a Llama-family model in place over a 2-D mesh (``data_parallel``, ``tensor_parallel``).
 
     Tensor parallel (Megatron layout): q/k/v and gate/up projections column-wise, o and down
     projections row-wise, so each block needs one all-reduce after attention and one after the MLP;
-    embeddings, norms and the output head stay replicated. Then FSDP2 ``fully_shard`` on every
-    decoder layer and the root over the data-parallel dimension. Works for ``…ForCausalLM`` and
-    ``…ForSequenceClassification`` (reward model, critic).
+    embeddings, norms and the output head stay replicated. A projection with a LoRA adapter
+    (:mod:`alignlit.models.lora`) is split the same way: a column-wise one shards its base weight and
+    ``B`` by output rows (``A`` replicated), a row-wise one its base weight and ``A`` by input columns
+    (``B`` replicated, after the all-reduce of ``A x``). Then FSDP2 ``fully_shard`` on every decoder
+    layer and the root over the data-parallel dimension (frozen base and trainable adapter weights
+    share the units). Works for ``…ForCausalLM`` and ``…ForSequenceClassification`` (reward model,
+    critic).
     """
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     layers = _decoder_layers(model)
     tp_mesh, dp_mesh = device_mesh["tensor_parallel"], device_mesh["data_parallel"]
@@ -55,17 +79,17 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
         ):
             if value % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
+        styles = {
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
         }
         for layer in layers:
-            parallelize_module(layer, tp_mesh, plan)
+            parallelize_module(layer, tp_mesh, _tensor_parallel_plan(layer, styles))
     if dp_mesh.size() > 1:
         for layer in layers:
             fully_shard(layer, mesh=dp_mesh)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import alignlit
+from alignlit.models.lora import LoRAExport, has_lora, save_lora_model
 
 METADATA_FILE = "alignlit.json"
 
@@ -121,6 +122,7 @@ def export_pretrained(
     data: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     state_dict: dict[str, Any] | None = None,
+    lora_export: LoRAExport = "merged",
 ) -> Path:
     """Write ``model`` and ``tokenizer`` with ``save_pretrained`` plus ``alignlit.json``.
 
@@ -128,7 +130,9 @@ def export_pretrained(
     directory is written to a temporary sibling and renamed into place (see the module docstring), so
     a crash never leaves a half-written export; an existing *export* at ``out_dir`` is replaced,
     anything else is refused (:func:`check_export_dir`). Files and folders get the user's umask.
-    ``state_dict`` overrides the model's own (pass the gathered full state of a sharded model).
+    ``state_dict`` overrides the model's own (pass the gathered full state of a sharded model). A model
+    with a LoRA adapter is written merged (a normal Hugging Face directory) or, with
+    ``lora_export="adapter"``, as the adapter alone (:func:`alignlit.models.lora.save_lora_model`).
     """
     out = check_export_dir(out_dir)
     old = _old(out)
@@ -138,7 +142,10 @@ def export_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
-        model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
+        if has_lora(model):
+            save_lora_model(model, tmp, mode=lora_export, state_dict=state_dict)
+        else:
+            model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(str(tmp))
         meta = {
             "alignlit_version": alignlit.__version__,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -18,8 +19,35 @@ from transformers import (
 
 from alignlit.data.tokenizer import load_tokenizer
 from alignlit.models.export import interrupted_export_message, read_metadata
+from alignlit.models.forward import disable_dropout
+from alignlit.models.lora import adapter_base, is_adapter_dir, load_adapter_export
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_dtype(dtype: str, what: str = "dtype") -> str:
+    """``dtype`` if it names one of :data:`DTYPES`, else ``ValueError`` naming ``what``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{what} must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Activation checkpointing of a Hugging Face model (or ScalarHeadModel): each decoder layer's
+    activations are recomputed in the backward pass instead of kept (HF
+    ``gradient_checkpointing_enable``, non-reentrant, so it works with frozen inputs and LoRA). The
+    gradients are the same; memory per layer drops to its input, compute grows by about one forward.
+
+    HF checkpoints only in train mode, and ``from_pretrained`` returns eval mode, in which some stages
+    train (dropout off): the model is put in train mode with every dropout off
+    (:func:`~alignlit.models.forward.disable_dropout`), the same function as before."""
+    hf = getattr(model, "hf_model", model)
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(hf).__name__} does not support it")
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    disable_dropout(hf).train()
+    return model
 
 
 def _check_dir(path: str | Path, what: str) -> Path:
@@ -39,12 +67,18 @@ def load_policy(path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTr
     """Load a causal LM and its tokenizer from a Hugging Face directory (any stage's export works).
 
     ``path`` may also be a model spec with ``build() -> (model, tokenizer)`` (e.g.
-    :class:`alignlit.models.TinyLlama`), which builds a fresh model instead.
+    :class:`alignlit.models.TinyLlama`), which builds a fresh model instead. A LoRA adapter export
+    (``lora.export: adapter``) loads as its base model with the adapter merged.
     """
     if not isinstance(path, (str, os.PathLike)) and hasattr(path, "build"):
         return path.build()
     p = _check_dir(path, "policy")
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
+    check_dtype(dtype)
+    if is_adapter_dir(p):
+        base = AutoModelForCausalLM.from_pretrained(str(adapter_base(p)), dtype=DTYPES[dtype])
+        model = load_adapter_export(p, base)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
     tok = load_tokenizer(p)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
@@ -65,7 +99,7 @@ def _has_trained_head_config(path: Path) -> tuple[bool, str]:
     """Whether ``path`` claims a trained scalar head (reward-stage metadata, or a
     ``…ForSequenceClassification`` config with one label), and what it is, for messages."""
     stage = read_metadata(path).get("stage")
-    config = AutoConfig.from_pretrained(str(path))
+    config = AutoConfig.from_pretrained(str(adapter_base(path) if is_adapter_dir(path) else path))
     archs = list(getattr(config, "architectures", None) or [])
     what = f"{', '.join(archs) or type(config).__name__}" + (f", alignlit stage {stage!r}" if stage else "")
     seq_cls = any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1
@@ -88,10 +122,15 @@ def load_scalar_model(
             model's start, or a PPO critic started from the policy); a head the checkpoint holds is
             loaded. Any encoder with a sequence-classification class (e.g. MiniLM) works as well.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
+
+    A LoRA adapter export of a reward stage (``lora.export: adapter``, its head saved with the adapter)
+    loads as its base with the adapter and the head merged.
     """
     if head not in ("trained", "fresh"):
         raise ValueError(f"head must be 'trained' or 'fresh', got {head!r}")
+    check_dtype(dtype)
     p = _check_dir(path, "model")
+    adapter = is_adapter_dir(p)
     if head == "trained":
         claims, what = _has_trained_head_config(p)
         if not claims:
@@ -102,8 +141,15 @@ def load_scalar_model(
             )
     tok = load_tokenizer(p)
     hf, info = AutoModelForSequenceClassification.from_pretrained(
-        str(p), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
+        str(adapter_base(p) if adapter else p), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
     )
+    if adapter:
+        hf.config.pad_token_id = (
+            hf.config.pad_token_id if hf.config.pad_token_id is not None else tok.pad_token_id
+        )
+        hf = load_adapter_export(p, hf)
+        saved = set(json.loads((p / "adapter_config.json").read_text()).get("modules_to_save") or [])
+        info["missing_keys"] = [k for k in info["missing_keys"] if k.split(".")[0] not in saved]
     if head == "trained" and info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise NotARewardModelError(

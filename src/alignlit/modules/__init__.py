@@ -1,9 +1,10 @@
 """One LightningModule per stage."""
 
+from alignlit.models.lora import LoRA
 from alignlit.modules.base import AlignModule, Optim
 from alignlit.modules.sft import SFTModule
 
-__all__ = ["AlignModule", "Optim", "SFTModule"]
+__all__ = ["AlignModule", "LoRA", "Optim", "SFTModule"]
 
 from alignlit.modules.ppo import PPOModule
 

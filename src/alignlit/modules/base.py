@@ -1,4 +1,5 @@
-"""What every stage shares: export of the result, the optimizer schedule, the NaN guard."""
+"""What every stage shares: export of the result, the optimizer schedule, the NaN guard, LoRA and
+activation checkpointing of the trained models, sharding under ``ModelParallelStrategy``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from alignlit.checks import validate_optimizer_args
 from alignlit.models.export import export_pretrained
+from alignlit.models.loading import enable_gradient_checkpointing
+from alignlit.models.lora import LoRA, apply_lora
 
 
 def warmup_cosine(
@@ -89,7 +92,7 @@ class Optim:
 
 # Stages keep their __init__ arguments (an Optim among them) in checkpoints; let torch.load's
 # weights-only unpickler rebuild it on resume.
-torch.serialization.add_safe_globals([Optim])
+torch.serialization.add_safe_globals([Optim, LoRA])
 
 
 def check_finite(loss: torch.Tensor, *, what: str, step: int, metrics: dict[str, Any] | None = None) -> None:
@@ -160,22 +163,40 @@ class AlignModule(L.LightningModule):
 
     Subclasses set :attr:`stage` and implement :meth:`export_model` (the model whose weights are the
     stage's result). At the end of ``fit`` the result is written to ``export_dir`` as a Hugging Face
-    directory with an ``alignlit.json`` saying which stage, config and data produced it.
+    directory with an ``alignlit.json`` saying which stage, config and data produced it (with
+    ``lora``, merged or the adapter alone, as ``lora.export`` says). Trained models go through
+    :meth:`prepare_trained` (LoRA, activation checkpointing); the optimiser gets their trainable
+    parameters only.
     """
 
     stage: str = "base"
     tokenizer: Any = None
 
-    def __init__(self, export_dir: str | None = None, optim: Optim | None = None):
+    def __init__(self, export_dir: str | None = None, optim: Optim | None = None, lora: LoRA | None = None):
         super().__init__()
         self.export_dir = export_dir
         #: the stage's optimiser settings (LightningCLI records the config, not the object, in hparams)
         self.optim = optim
+        #: LoRA adapters on the trained models (None: full fine-tuning)
+        self.lora = lora
         #: the full CLI config, filled in by ``alignlit`` so the export records it
         self.cli_config: dict[str, Any] | None = None
 
     def export_model(self):
         raise NotImplementedError
+
+    def prepare_trained(
+        self, model: torch.nn.Module, *, gradient_checkpointing: bool = False, lora: bool = True
+    ):
+        """A model this stage trains, made ready: activation checkpointing on when asked
+        (:func:`alignlit.models.loading.enable_gradient_checkpointing`), then the stage's LoRA adapter
+        injected (when ``lora`` is set and the ``lora`` argument is True;
+        :func:`alignlit.models.lora.apply_lora`)."""
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        if lora and self.lora is not None:
+            apply_lora(model, self.lora)
+        return model
 
     def export_metrics(self) -> dict[str, float]:
         return {
@@ -201,15 +222,18 @@ class AlignModule(L.LightningModule):
             data=data,
             metrics=metrics,
             state_dict=state_dict,
+            lora_export=self.lora.export if self.lora is not None else "merged",
         )
 
     def configure_adamw(self, params, optim: Optim | None = None):
-        """:class:`Optim` (default: the stage's ``optim`` hyperparameter) over ``params``, with the cosine
-        schedule over the run's length as Lightning estimates it."""
+        """:class:`Optim` (default: the stage's ``optim`` hyperparameter) over the trainable ones of
+        ``params`` (frozen base weights under LoRA get no optimiser state), with the cosine schedule over
+        the run's length as Lightning estimates it."""
         optim = optim if optim is not None else self.optim
         if optim is None:
             raise ValueError(f"{type(self).__name__} has no optimiser settings (`optim`)")
-        return optim.build(params, total_steps=lambda: self.trainer.estimated_stepping_batches)
+        trainable = [p for p in params if p.requires_grad]
+        return optim.build(trainable, total_steps=lambda: self.trainer.estimated_stepping_batches)
 
     def clip_grad_norm(self, params, max_norm: float | None) -> torch.Tensor:
         """Clip the global gradient norm of ``params`` to ``max_norm`` (None: only measure it); returns
@@ -278,7 +302,8 @@ class AlignModule(L.LightningModule):
         if self.device_mesh is not None:  # sharded: gather on every rank, write on rank 0
             from alignlit.strategies import full_state_dict
 
-            state = full_state_dict(self.export_model())
+            model = self.export_model()
+            state = full_state_dict(getattr(model, "hf_model", model))  # the names save_pretrained writes
         if self.global_rank == 0:
             path = self.export(self.export_dir, state_dict=state)
             print(f"alignlit: exported {self.stage} result to {path}")

@@ -13,7 +13,8 @@ from torchmetrics import MeanMetric
 
 from alignlit.losses import PreferenceLoss
 from alignlit.models.forward import disable_dropout
-from alignlit.models.loading import load_policy
+from alignlit.models.loading import check_dtype, load_policy
+from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.reference_cache import (
     ReferenceCache,
     cache_file,
@@ -51,7 +52,8 @@ class DPOModule(AlignModule):
     Reference log-probs are either computed each step by a frozen reference model kept in memory,
     or (``precompute_reference``) computed once before training and cached next to the training
     data; then no reference model is in memory while training. Reference-free losses (``simpo``,
-    ``slic``) build no reference and no cache.
+    ``slic``) build no reference and no cache. With ``lora`` and the default reference, the
+    reference is the policy's base with the adapter disabled (no second copy of the weights).
 
     Args:
         policy: causal-LM directory to start from (usually the SFT export), or a
@@ -76,6 +78,11 @@ class DPOModule(AlignModule):
             training data file).
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy and reference are loaded in ("float32", "bfloat16").
+        frozen_dtype: dtype of a reference loaded as a model of its own (default: ``dtype``), e.g.
+            ``bfloat16`` next to a float32 policy.
+        lora: LoRA adapters instead of full fine-tuning (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute the policy's activations in the backward pass (HF
+            activation checkpointing): same gradients, less memory, about one more forward per step.
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit.
     """
 
@@ -93,9 +100,13 @@ class DPOModule(AlignModule):
         reference_cache_dir: str | None = None,
         optim: Optim = Optim(lr=1e-5, warmup_steps=10),
         dtype: str = "float32",
+        frozen_dtype: str | None = None,
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
+        self.frozen_dtype = check_dtype(frozen_dtype or dtype, "frozen_dtype")
         self.objective = PreferenceObjective(loss_type, loss_args, beta=beta, sft_weight=sft_weight)
         self.reference_source = self.objective.reference_source(reference, default=policy)
         self.save_hyperparameters()
@@ -104,12 +115,16 @@ class DPOModule(AlignModule):
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
-        disable_dropout(self.policy).train()  # from_pretrained returns eval mode
         # Not registered as a submodule: it is frozen and never part of checkpoints or of DDP.
         self._reference: list[torch.nn.Module] = []
-        if isinstance(self.reference_source, TinyLlama):
-            self._reference.append(_frozen(copy.deepcopy(self.policy)))
-        elif self.reference_source is not None and not precompute_reference:
+        starts_at_policy = self.reference_source is policy
+        if isinstance(self.reference_source, TinyLlama) and lora is None:
+            self._reference.append(_frozen(copy.deepcopy(self.policy).to(getattr(torch, self.frozen_dtype))))
+        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
+        disable_dropout(self.policy).train()  # from_pretrained returns eval mode
+        if lora is not None and starts_at_policy:
+            self._reference.append(AdapterDisabled(self.policy))
+        elif self.reference_source is not None and not precompute_reference and not self._reference:
             self._reference.append(self._load_reference())
         self.reference_cache: ReferenceCache | None = None
         #: "hit" or "miss" once the precomputed reference cache has been resolved
@@ -123,7 +138,7 @@ class DPOModule(AlignModule):
         return self._reference[0] if self._reference else None
 
     def _load_reference(self) -> torch.nn.Module:
-        return _frozen(load_policy(self.reference_source, dtype=self.hparams.dtype)[0])
+        return _frozen(load_policy(self.reference_source, dtype=self.frozen_dtype)[0])
 
     def prepare_reference(self, datamodule=None) -> None:
         """Resolve the reference log-probs cache: load it on a hit, compute and write it on a miss.
@@ -144,7 +159,7 @@ class DPOModule(AlignModule):
             self.reference_model if isinstance(self.reference_source, TinyLlama) else self.reference_source
         )
         fingerprint = reference_fingerprint(
-            weights, datamodule=datamodule, tokenizer=self.tokenizer, dtype=self.hparams.dtype
+            weights, datamodule=datamodule, tokenizer=self.tokenizer, dtype=self.frozen_dtype
         )
         path = cache_file(
             fingerprint,

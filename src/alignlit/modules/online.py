@@ -29,10 +29,12 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from alignlit.data.sampler import data_parallel_rank
 from alignlit.data.sft import SFTDataModule
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.models.forward import disable_dropout, eval_mode, response_logprobs
-from alignlit.models.loading import load_policy
+from alignlit.models.loading import DTYPES, check_dtype, load_policy
+from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
@@ -160,7 +162,8 @@ class OnlineModule(AlignModule):
         reward: a reward-model directory (frozen; scores response texts encoded as in its training),
             the dotted path of a reward function, or any reward object/callable
             (see :mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
-        reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights).
+        reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
+            ``lora``, the policy's base with the adapter disabled, no second copy).
         rollout: the rollout loop (engine, sampling, samples per prompt, epochs, minibatch size, parity
             checks); default ``RolloutLoop()``.
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
@@ -181,6 +184,14 @@ class OnlineModule(AlignModule):
         curves_file: PNG of the monitoring curves written at the end of fit (default:
             ``<log dir>/<stage>_curves.png``); the history goes next to it as JSON.
         export_dir: where the trained policy is exported at the end of fit.
+        lora: LoRA adapters on the policy instead of full fine-tuning
+            (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute the trained models' activations in the backward pass (HF
+            activation checkpointing): same gradients, less memory, about one more forward per update.
+        frozen_dtype: dtype of the frozen models, the reference (when it is a model of its own) and a
+            reward-model directory (default: ``dtype``), e.g. ``bfloat16`` next to a float32 policy.
+        shard_frozen: under ``ModelParallelStrategy``, shard the frozen reference and reward model like
+            the trained models (FSDP2 + tensor parallel; decoders only) instead of a full replica per rank.
     """
 
     stage = "online"
@@ -213,8 +224,15 @@ class OnlineModule(AlignModule):
         dtype: str = "float32",
         curves_file: str | None = None,
         export_dir: str | None = None,
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
+        frozen_dtype: str | None = None,
+        shard_frozen: bool = False,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
+        frozen_dtype = check_dtype(frozen_dtype or dtype, "frozen_dtype")
+        self.gradient_checkpointing = gradient_checkpointing
+        self.shard_frozen = shard_frozen
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if tis_cap is not None and tis_cap < 1:
@@ -235,15 +253,19 @@ class OnlineModule(AlignModule):
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
-        disable_dropout(self.policy).train()
         self._policy_dir = None if isinstance(policy, TinyLlama) else str(policy)
         self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else str(policy)
-        reference_model = (
-            load_policy(reference, dtype=dtype)[0] if reference is not None else copy.deepcopy(self.policy)
-        )
+        if reference is not None:
+            reference_model = load_policy(reference, dtype=frozen_dtype)[0]
+        elif lora is None:
+            reference_model = copy.deepcopy(self.policy).to(DTYPES[frozen_dtype])
+        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
+        disable_dropout(self.policy).train()
+        if reference is None and lora is not None:
+            reference_model = AdapterDisabled(self.policy)
         self.reference = disable_dropout(reference_model).requires_grad_(False).eval()
 
-        self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=dtype)
+        self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=frozen_dtype)
         model = getattr(self.reward, "model", None)
         # registered as a submodule so it follows the module's device; left out of checkpoints
         self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
@@ -279,18 +301,28 @@ class OnlineModule(AlignModule):
         return self.policy
 
     def parallel_models(self) -> list[torch.nn.Module]:
-        return [trained.module for trained in self.trained_models()]
+        """The trained models, and with ``shard_frozen`` the frozen reference and reward model."""
+        models = [trained.module for trained in self.trained_models()]
+        if self.shard_frozen:
+            frozen = [self.reference, self.reward_model]
+            models += [m for m in frozen if m is not None and not isinstance(m, AdapterDisabled)]
+        return models
 
     def frozen_prefixes(self) -> list[str]:
-        """State-dict prefixes of the frozen models, left out of checkpoints (they reload from disk)."""
-        return ["reference."] + (["reward_model."] if self.reward_model is not None else [])
+        """State-dict prefixes of the frozen models, left out of checkpoints (they reload from disk); a
+        LoRA stage's reference is the policy's base and has no weights of its own."""
+        prefixes = [] if isinstance(self.reference, AdapterDisabled) else ["reference."]
+        return prefixes + (["reward_model."] if self.reward_model is not None else [])
 
     def configure_callbacks(self):
         return [*super().configure_callbacks(), self._phase]
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self._trainer is not None else 1
-        self.rollout.setup(self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world)
+        self.rollout.setup(
+            self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world,
+            data_parallel=data_parallel_rank(self._trainer) if world > 1 else None,
+        )  # fmt: skip
         self.setup_ptx()
 
     def setup_ptx(self) -> None:
@@ -333,7 +365,7 @@ class OnlineModule(AlignModule):
         # here would load the prompt loader before a checkpoint restores its position
         return [
             t.optim.build(
-                t.module.parameters(),
+                [p for p in t.module.parameters() if p.requires_grad],
                 total_steps=lambda t=t: max(1, self._planned_rollouts - t.first_rollout),
             )
             for t in self.trained_models()

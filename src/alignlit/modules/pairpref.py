@@ -9,6 +9,7 @@ from alignlit.data.preference import PreferenceBatch
 from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
+from alignlit.models.lora import LoRA
 from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits, resolve_model_path
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
@@ -37,6 +38,9 @@ class PairwisePrefModule(AlignModule):
         seed: seed of the order draws.
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
+        lora: LoRA adapters instead of full fine-tuning (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute activations in the backward pass (HF activation
+            checkpointing): same gradients, less memory, about one more forward per step.
         export_dir: where the trained model is written as a Hugging Face causal-LM directory at the
             end of fit (None: no export).
     """
@@ -52,9 +56,11 @@ class PairwisePrefModule(AlignModule):
         seed: int = 0,
         optim: Optim = Optim(lr=3e-4, warmup_steps=20),
         dtype: str = "float32",
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         self.save_hyperparameters()
         if isinstance(policy, TinyLlama):
             self.policy, self.tokenizer = load_policy(policy)
@@ -68,6 +74,7 @@ class PairwisePrefModule(AlignModule):
                 f"ab_format.max_length={self.format.max_length} exceeds the model's max_position_embeddings={limit}"
             )
         setattr(self.policy.config, AB_FORMAT_KEY, self.format.to_dict())
+        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
         self.val_loss = MeanMetric()
         self.val_accuracy = MeanMetric()
         self.val_consistency = MeanMetric()

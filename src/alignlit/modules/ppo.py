@@ -119,9 +119,12 @@ class PPOModule(OnlineModule):
         advantage_clip: clip advantages to ``±c`` after whitening (None: off).
         entropy_coef: entropy bonus ``c_H``.
         critic_pretrain_rollouts: first rollouts that train only the critic (PPO-max §5.3.3).
+        critic_adapter: with ``lora``, the critic trains a LoRA adapter of its own on its frozen
+            backbone (its value head in full); False: the critic is fully fine-tuned.
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference,
             rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
-            reward_batch_size, dtype, curves_file, export_dir).
+            reward_batch_size, dtype, curves_file, export_dir, lora, gradient_checkpointing,
+            frozen_dtype, shard_frozen).
     """
 
     stage = "ppo"
@@ -158,6 +161,7 @@ class PPOModule(OnlineModule):
         advantage_clip: float | None = None,
         entropy_coef: float = 0.0,
         critic_pretrain_rollouts: int = 0,
+        critic_adapter: bool = True,
         **kwargs,
     ):
         if advantage_norm not in ("none", "batch", "minibatch"):
@@ -176,6 +180,9 @@ class PPOModule(OnlineModule):
             )
         self.critic, critic_tokenizer = load_scalar_model(
             critic_dir, head="fresh", dtype=kwargs.get("dtype", "float32")
+        )
+        self.prepare_trained(
+            self.critic, gradient_checkpointing=self.gradient_checkpointing, lora=critic_adapter
         )
         disable_dropout(self.critic).train()
         if critic_tokenizer.get_vocab() != self.tokenizer.get_vocab():

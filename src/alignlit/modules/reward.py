@@ -14,6 +14,7 @@ from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
 from alignlit.models.loading import last_token_index, load_scalar_model
+from alignlit.models.lora import LoRA
 from alignlit.models.reward import resolve_model_path
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
@@ -60,6 +61,10 @@ class RewardModule(AlignModule):
         use_margin: use per-pair margins from the data in the Bradley-Terry loss.
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
+        lora: LoRA adapters on the backbone instead of full fine-tuning; the scalar head trains in full
+            (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute activations in the backward pass (HF activation
+            checkpointing): same gradients, less memory, about one more forward per step.
         histogram: write the score histogram at the end of every validation.
         export_dir: where the trained reward model is written as a Hugging Face
             ``…ForSequenceClassification`` directory at the end of fit (None: no export).
@@ -77,9 +82,11 @@ class RewardModule(AlignModule):
         optim: Optim = Optim(lr=1e-4, warmup_steps=20),
         dtype: str = "float32",
         histogram: bool = True,
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         self.save_hyperparameters()
         path = str(resolve_model_path(model))
         self.rm, self.tokenizer = load_scalar_model(path, dtype=dtype)
@@ -92,6 +99,7 @@ class RewardModule(AlignModule):
                 )
             self.lm_head = load_lm_head(path, self.rm.hf_model.dtype)
             self.lm_head.requires_grad_(train_lm_head)
+        self.prepare_trained(self.rm, gradient_checkpointing=gradient_checkpointing)
         self.val_loss = MeanMetric()
         self.val_accuracy = MeanMetric()
         self.val_margin = MeanMetric()

@@ -9,6 +9,7 @@ from alignlit.data.ranking import RankingBatch
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.loading import load_policy
+from alignlit.models.lora import LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
@@ -31,6 +32,9 @@ class RRHFModule(AlignModule):
         sft_weight: weight of the summed NLL of the best response.
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy is loaded in ("float32", "bfloat16").
+        lora: LoRA adapters instead of full fine-tuning (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute activations in the backward pass (HF activation
+            checkpointing): same gradients, less memory, about one more forward per step.
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit.
     """
 
@@ -43,15 +47,18 @@ class RRHFModule(AlignModule):
         sft_weight: float = 1.0,
         optim: Optim = Optim(lr=1e-5, warmup_steps=10),
         dtype: str = "float32",
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         if rank_weight < 0 or sft_weight < 0:
             raise ValueError(f"rank_weight and sft_weight must be >= 0, got {rank_weight} and {sft_weight}")
         self.save_hyperparameters()
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
+        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
         self.policy.train()  # from_pretrained returns eval mode
         self.val_loss = MeanMetric()
         self.val_rank_loss = MeanMetric()

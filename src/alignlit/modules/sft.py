@@ -8,6 +8,7 @@ from torchmetrics import MeanMetric
 from alignlit.data.encoding import LMBatch
 from alignlit.models.forward import token_nll
 from alignlit.models.loading import load_policy
+from alignlit.models.lora import LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
@@ -20,6 +21,9 @@ class SFTModule(AlignModule):
             to train a tiny model from scratch.
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the policy is loaded in ("float32", "bfloat16").
+        lora: LoRA adapters instead of full fine-tuning (:class:`~alignlit.models.lora.LoRA`; None: full).
+        gradient_checkpointing: recompute activations in the backward pass (HF activation
+            checkpointing): same gradients, less memory, about one more forward per step.
         export_dir: where the trained policy is written as a Hugging Face directory at the end of fit
             (None: no export).
     """
@@ -31,13 +35,16 @@ class SFTModule(AlignModule):
         policy: str | TinyLlama,
         optim: Optim = Optim(lr=3e-4, warmup_steps=50),
         dtype: str = "float32",
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
         export_dir: str | None = None,
     ):
-        super().__init__(export_dir=export_dir, optim=optim)
+        super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         self.save_hyperparameters()
         self.policy, self.tokenizer = (
             load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
         )
+        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
         self.val_nll = MeanMetric()
 
     def export_model(self):

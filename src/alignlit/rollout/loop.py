@@ -63,7 +63,9 @@ class RolloutLoop:
 
     Args:
         engine: ``"hf"`` (Hugging Face ``generate`` on the training model, the default) or
-            ``"vllm"`` (an in-process vLLM engine built from the policy's directory; single process).
+            ``"vllm"`` (an in-process vLLM engine built from the policy's directory; with several
+            training ranks one engine on rank 0 serves them all,
+            :class:`~alignlit.rollout.vllm_engine.RankZeroServedEngine`).
         sampling: how responses are sampled (``sampling.seed`` must be None: use ``seed``).
         samples_per_prompt: responses sampled per prompt (``n``).
         epochs: passes over each rollout's experience (PPO's ``ppo_epochs``).
@@ -143,11 +145,16 @@ class RolloutLoop:
         *,
         policy_dir: str | Path | None = None,
         world_size: int = 1,
+        data_parallel: tuple[int, int] | None = None,
     ) -> None:
         """Build the engine for ``policy`` (once; a second call only rebinds the policy).
 
         ``policy_dir`` is the Hugging Face directory the policy was loaded from; the vLLM engine
-        is built from it and then kept in sync with the live policy.
+        is built from it and then kept in sync with the live policy. With ``world_size > 1`` (a
+        ``torch.distributed`` process group) the vLLM engine lives on rank 0 and serves every rank;
+        ``data_parallel`` is this rank's ``(data-parallel rank, data-parallel size)`` (default: the
+        global rank and ``world_size``; tensor-parallel peers share a data-parallel rank and get the
+        same samples).
         """
         self.policy = policy
         self.stale = True
@@ -161,14 +168,22 @@ class RolloutLoop:
                 f"rollout engine 'vllm' is built from the policy's Hugging Face directory, got {policy_dir!r}: "
                 "load the policy from an exported directory (not a TinyLlama spec)"
             )
-        if world_size > 1:
-            raise ValueError(
-                f"rollout engine 'vllm' runs in a single process here (world size {world_size}); use "
-                "engine 'hf' with several processes"
-            )
-        from alignlit.rollout.vllm_engine import VLLMEngine
+        from alignlit.rollout.vllm_engine import RankZeroServedEngine, VLLMEngine
 
-        self.engine = VLLMEngine(policy_dir, tokenizer, **self.vllm_args)
+        engine = VLLMEngine(policy_dir, tokenizer, **self.vllm_args)
+        if world_size == 1:
+            self.engine = engine
+            return
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise RuntimeError(
+                f"rollout engine 'vllm' with world size {world_size} needs the torch.distributed process "
+                "group (set up by the trainer's strategy) before setup"
+            )
+        if data_parallel is None:
+            data_parallel = (torch.distributed.get_rank(), world_size)
+        self.engine = RankZeroServedEngine(
+            engine, data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]
+        )
 
     def mark_stale(self) -> None:
         """Record that the policy's weights changed (the next generation syncs the engine first)."""
