@@ -502,6 +502,23 @@ def test_bad_arguments_name_the_field(tiny_policy_dir, data_dir):
 CONFIG = ROOT / "configs/quickstart/online-dpo.yaml"
 
 
+def test_config_takes_a_preference_model_as_reward():
+    """The README's override: `reward` as a PreferenceRanking class_path parses against the stage."""
+    from tests.test_configs import ParseOnly
+
+    cli = ParseOnly(
+        args=[
+            "--config", str(CONFIG), "--model.init_args.reward.class_path=alignlit.modules.PreferenceRanking",
+            "--model.init_args.reward.init_args.model=out/quickstart/pairpref",
+            "--model.init_args.reward.init_args.mode=reference",
+            "--model.init_args.reward.init_args.references=data/sim/sft_val.jsonl",
+        ],
+        run=False,
+    )  # fmt: skip
+    reward = cli.config.model.init_args.reward
+    assert reward.class_path == "alignlit.modules.PreferenceRanking" and reward.init_args.mode == "reference"
+
+
 @pytest.mark.slow
 def test_config_tiny_fit(tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
     """The shipped config runs two iterations on the tiny model through the CLI against a reward-model
