@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None):
         print(USAGE)
         return None
     if argv[0] in TOOLS:
-        return importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        result = importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        # the console script passes the return value to sys.exit: only an exit status may reach it
+        return result if explicit or isinstance(result, int) else None
     if argv[0] not in LIGHTNING_SUBCOMMANDS and not argv[0].startswith("-"):
         sys.exit(f"alignlit: unknown command {argv[0]!r}\n{USAGE}")
     from alignlit.cli.lightning import AlignCLI

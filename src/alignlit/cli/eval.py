@@ -2,8 +2,13 @@
 
 Example::
 
-    alignlit eval --sim data/sim --policy out/quickstart/sft --reference out/quickstart/sft \\
-        --untrained data/sim/tokenizer --best-of 1 4 16 --json out/quickstart/eval.json
+    alignlit eval --sim data/sim --policy out/quickstart/sft out/quickstart/dpo --name SFT DPO \\
+        --reference out/quickstart/sft --best-of 4 16 --json out/quickstart/eval.json \\
+        --plot out/quickstart/frontier.png
+
+A progress bar per row goes to stderr; the table (with each row's win rate against the reference
+policy's row) to stdout; ``--plot`` draws gold reward against KL to the reference for every row that
+has a KL (:func:`alignlit.eval.plots.plot_frontier`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 import torch
 
 from alignlit.data.records import parse_prompt, read_records
-from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table
+from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table, win_rate
 from alignlit.eval.score import rm_selector
 from alignlit.rollout.base import SamplingParams
 from alignlit.sim import load_sim
@@ -38,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="also evaluate greedy decoding")
     p.add_argument("--best-of", type=int, nargs="*", default=[], help="best-of-n rows")
     p.add_argument(
+        "--best-of-for",
+        nargs="*",
+        default=None,
+        help="row names that get the --best-of rows (default: every policy)",
+    )
+    p.add_argument(
         "--select",
         default="gold",
         help="who picks the best of n: 'gold' (oracle) or a reward-model directory (default: gold)",
@@ -45,7 +56,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
     p.add_argument("--json", help="also write the results as JSON here")
+    p.add_argument("--plot", help="also write the gold-vs-KL plot (PNG) here; needs --reference")
+    p.add_argument(
+        "--baseline",
+        help="row name the win-rate column compares with (default: the --policy that is the --reference)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def frontier_points(results: Sequence[EvalResult]) -> list[dict]:
+    """The rows of ``results`` as :func:`~alignlit.eval.plots.plot_frontier` points (rows without a
+    KL are left out); each policy's best-of-n rows and its own sampled row form one series per selector."""
+    selectors = {}
+    for r in results:
+        if r.mode.startswith("best-of-"):
+            selectors.setdefault(r.name, set()).add("RM" if r.mode.endswith("(RM)") else "gold")
+    points = []
+    for r in results:
+        if r.kl_to_reference is None:
+            continue
+        if r.mode.startswith("best-of-"):
+            selector = "RM" if r.mode.endswith("(RM)") else "gold"
+            name, series = f"{r.name} {r.mode.removesuffix(' (RM)')} ({selector})", [selector]
+        elif r.mode.startswith("T="):  # the n = 1 end of the policy's best-of-n curves
+            name, series = r.name, sorted(selectors.get(r.name, ()))
+        else:
+            name, series = f"{r.name} {r.mode}", []
+        points.append(
+            {
+                "name": name,
+                "kl": r.kl_to_reference,
+                "gold": r.gold,
+                "gold_err": r.gold_stderr,
+                "series": [f"{r.name} best-of-n ({s})" for s in series],
+            }
+        )
+    return points
 
 
 def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
@@ -58,6 +105,21 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.best_of):
         parser.error(f"--best-of values must be >= 1, got {args.best_of}")
+    if args.plot and not args.reference:
+        parser.error("--plot needs --reference (the policy the KL axis is measured to)")
+    names = args.name or [Path(p).name for p in args.policy]
+    if len(names) != len(args.policy):
+        parser.error(f"{len(args.policy)} --policy but {len(names)} --name")
+    baseline = args.baseline
+    if baseline is None and args.reference:
+        same = [n for n, p in zip(names, args.policy) if Path(p).resolve() == Path(args.reference).resolve()]
+        baseline = same[0] if same else None
+    row_names = (["untrained"] if args.untrained else []) + names
+    if baseline is not None and baseline not in row_names:
+        parser.error(f"--baseline {baseline!r} is not a row name ({', '.join(row_names)})")
+    unknown = sorted(set(args.best_of_for or ()) - set(row_names))
+    if unknown:
+        parser.error(f"--best-of-for names no row: {', '.join(unknown)} (rows: {', '.join(row_names)})")
     torch.manual_seed(args.seed)
     task, manifest = load_sim(args.sim)
     prompt_file = Path(args.sim) / f"prompts_{args.split}.jsonl"
@@ -68,9 +130,6 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     reference = load_policy(args.reference)[0].eval() if args.reference else None
 
-    names = args.name or [Path(p).name for p in args.policy]
-    if len(names) != len(args.policy):
-        parser.error(f"{len(args.policy)} --policy but {len(names)} --name")
     candidates = [(name, path) for name, path in zip(names, args.policy)]
     if args.untrained:
         candidates.insert(0, ("untrained", TinyLlama(tokenizer=args.untrained)))
@@ -80,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     for name, source in candidates:
         policy, tokenizer = load_policy(source)
         policy.eval()
-        common = dict(name=name, batch_size=args.batch_size)
+        common = dict(name=name, batch_size=args.batch_size, progress=not args.no_progress)
         results.append(
             evaluate_policy(
                 policy,
@@ -96,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
             results.append(
                 evaluate_policy(policy, tokenizer, prompts, task.gold_rewards, sampling=greedy, **common)
             )
-        for n in args.best_of:
+        for n in args.best_of if args.best_of_for is None or name in args.best_of_for else ():
             results.append(
                 best_of_n(
                     policy,
@@ -109,20 +168,41 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
                     **common,
                 )
             )
-    print(format_table(results))
+    print(format_table(results, baseline=baseline))
     demos = manifest["stats"]["sft"]["train"]
     print(
         f"\ndemonstrations (sft_train.jsonl): mean gold {demos['demo_mean_gold']:.3f}; "
         f"ideal answers: {demos['ideal_mean_gold']:.3f}; {len(prompts)} {args.split} prompts"
     )
     if args.json:
+        rows = [r.as_dict() for r in results]
+        if baseline is not None:
+            base = next(r for r in results if r.name == baseline)
+            for row, r in zip(rows, results):
+                row[f"win_vs_{baseline}"] = win_rate(r.prompt_gold, base.prompt_gold)
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(
             json.dumps(
-                {"results": [r.as_dict() for r in results], "demonstrations": demos, "prompts": len(prompts)},
+                {"results": rows, "demonstrations": demos, "prompts": len(prompts), "split": args.split},
                 indent=2,
             )
             + "\n"
         )
+        print(f"alignlit eval: results -> {out}")
+    if args.plot:
+        from alignlit.eval.plots import plot_frontier
+
+        written = plot_frontier(
+            frontier_points(results),
+            args.plot,
+            title=f"gold reward vs KL to {args.reference} ({len(prompts)} {args.split} prompts, "
+            f"{sampling_label(sampling)})",
+            baseline=baseline,
+        )
+        print(f"alignlit eval: gold-vs-KL plot -> {written}")
     return results
+
+
+def sampling_label(sampling: SamplingParams) -> str:
+    return "greedy" if sampling.temperature == 0 else f"T={sampling.temperature:g}, seed {sampling.seed}"

@@ -17,6 +17,7 @@ simulated task's gold reward, or the dotted path of a reward function. Example (
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -88,7 +89,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default: 64)")
     p.add_argument("--dtype", default="float32", help="dtype the policy is loaded in (default: float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def sample_with_progress(
+    policy, tokenizer, prompts, *, n, sampling, scorer, batch_size, progress
+) -> tuple[list[RankedGroup], Counter]:
+    """:func:`~alignlit.rollout.sampling.sample_ranked` one chunk of ``batch_size`` prompts at a time,
+    with a tqdm bar over the prompts. Chunk ``c`` is sampled with seed ``sampling.seed + c``, exactly as
+    one ``sample_ranked`` call over all prompts samples it, so the output does not depend on the bar."""
+    from tqdm.auto import tqdm
+
+    groups: list[RankedGroup] = []
+    counts: Counter = Counter()
+    with tqdm(
+        total=len(prompts), desc="alignlit sample", unit="prompt", disable=not progress, dynamic_ncols=True
+    ) as bar:
+        for chunk, start in enumerate(range(0, len(prompts), batch_size)):
+            seed = None if sampling.seed is None else sampling.seed + chunk
+            got, got_counts = sample_ranked(
+                policy,
+                tokenizer,
+                prompts[start : start + batch_size],
+                n=n,
+                sampling=SamplingParams(**{**vars(sampling), "seed": seed}),
+                scorer=scorer,
+                batch_size=batch_size,
+            )
+            groups += got
+            counts.update(got_counts)
+            bar.update(len(prompts[start : start + batch_size]))
+    return groups, +counts
 
 
 def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
@@ -124,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         seed=args.seed,
     )
     torch.manual_seed(args.seed)
-    groups, counts = sample_ranked(
+    groups, counts = sample_with_progress(
         policy,
         tokenizer,
         prompts,
@@ -132,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         sampling=sampling,
         scorer=scorer,
         batch_size=args.batch_size,
-        log_every=10,
+        progress=not args.no_progress,
     )
     write_jsonl([g.to_record() for g in groups], args.out)
     summary = f"alignlit sample: {len(groups)} prompts x {args.n} responses -> {args.out}"

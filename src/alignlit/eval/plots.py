@@ -1,4 +1,5 @@
-"""Training-curve plots: one panel per metric, one line per run (PNG, matplotlib's Agg backend)."""
+"""Plots (PNG, matplotlib's Agg backend): training curves (one panel per metric, one line per run) and
+the gold-reward-vs-KL frontier of evaluated policies."""
 
 from __future__ import annotations
 
@@ -76,6 +77,78 @@ def plot_curves(
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.04 if len(runs) > 1 else 0, 1, 0.97 if title else 1))
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_frontier(
+    points: Sequence[Mapping],
+    out_file: str | Path,
+    *,
+    title: str | None = None,
+    baseline: str | None = None,
+) -> Path:
+    """Gold reward against KL to the reference policy, one marker per policy: the over-optimisation
+    frontier (Gao et al. 2023; the best-of-n curve is the frontier a policy has to beat at its KL).
+
+    Args:
+        points: one mapping per policy with ``name``, ``kl`` and ``gold`` (floats; ``kl`` None leaves
+            the point out), optional ``kl_err``/``gold_err`` (error bars, e.g. the std over seeds) and
+            ``series`` (a name or a list of names): points sharing a series name are joined by a
+            dashed line in order of KL (best-of-n for growing n, starting at the sampling policy).
+        out_file: PNG path (parent directories are created).
+        title: figure title.
+        baseline: the name of the point drawn as a dashed horizontal line across the plot (the
+            reference policy's gold, e.g. ``"SFT"``).
+
+    Returns:
+        the written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [p for p in points if p.get("kl") is not None and p.get("gold") is not None]
+    if not shown:
+        raise ValueError("plot_frontier needs at least one point with both 'kl' and 'gold'")
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    series: dict[str, list[Mapping]] = {}
+    for p in shown:
+        names = p.get("series") or []
+        for name in [names] if isinstance(names, str) else names:
+            series.setdefault(name, []).append(p)
+    for name, members in series.items():
+        members = sorted(members, key=lambda p: p["kl"])
+        ax.plot([p["kl"] for p in members], [p["gold"] for p in members], "--", linewidth=1, label=name)
+    markers = "osD^v<>pPX*h"
+    for i, p in enumerate(shown):
+        ax.errorbar(
+            p["kl"],
+            p["gold"],
+            xerr=p.get("kl_err") or None,
+            yerr=p.get("gold_err") or None,
+            fmt=markers[i % len(markers)],
+            markersize=6,
+            capsize=2,
+            label=p["name"],
+        )
+        ax.annotate(p["name"], (p["kl"], p["gold"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    if baseline is not None:
+        base = next((p for p in shown if p["name"] == baseline), None)
+        if base is None:
+            raise ValueError(f"baseline {baseline!r} is not among the points {[p['name'] for p in shown]}")
+        ax.axhline(base["gold"], color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("KL to the reference policy (nats per response)")
+    ax.set_ylabel("gold reward (held-out prompts)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best", ncol=2)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
