@@ -372,10 +372,10 @@ class OnlineDPOModule(OnlineModule):
             | {"pairs/new": float(len(pairs)), "pairs/offline": float(len(offline))}
             | {"pairs/train": float(len(train) + len(offline))}
         )
-        if not train + offline:
-            return {**metrics, **self.skip(f"no preference pair to train on ({dict(counts)})")}
         if hp.reference_update == "last_iterate" and t >= 2:
             self.reference.load_state_dict(self.policy.state_dict())
+        if not train + offline:
+            return {**metrics, **self.skip(f"no preference pair to train on ({dict(counts)})")}
         examples = self.encode(train + offline)
         reference = self.reference if self.objective.needs_reference else None
         pad_id, records = self.tokenizer.pad_token_id, []
