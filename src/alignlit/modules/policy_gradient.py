@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from alignlit.losses.policy_gradient import LOSS_AGGREGATIONS, policy_gradient_loss
 from alignlit.models.forward import eval_mode, response_logprobs, response_token_logprobs
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import Optim
-from alignlit.modules.online import KLPenalty, OnlineModule, PtxMix, _mean_metrics
+from alignlit.modules.online import KLPenalty, OnlineModule, _mean_metrics
 from alignlit.ops import (
     ADVANTAGE_ESTIMATORS,
     group_advantages,
@@ -32,10 +31,9 @@ from alignlit.ops import (
     reinforce_pp_returns,
 )
 from alignlit.ops.kl import KLKind
-from alignlit.rollout.base import Rollout, SamplingParams
+from alignlit.rollout.base import Rollout
 from alignlit.rollout.loop import Experience, RolloutLoop
-from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn, import_object, score_rollout
+from alignlit.rollout.reward import Reward, import_object, score_rollout
 
 PER_TOKEN = "reinforce_pp"
 """The per-token estimator (REINFORCE++: KL in the token rewards, discounted returns, batch whitening)."""
@@ -197,9 +195,10 @@ class PolicyGradientModule(OnlineModule):
         entropy_coef: entropy bonus ``c_H``.
         dynamic_sampling: DAPO dynamic sampling (None: off); single process only.
         overlong: filtering of, or a penalty on, responses cut at the token limit (None: off).
-        reference, rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
-            reward_batch_size, dtype, curves_file, export_dir: see
-            :class:`~alignlit.modules.online.OnlineModule`.
+        **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference,
+            rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
+            reward_batch_size, dtype, curves_file, export_dir, lora, gradient_checkpointing,
+            frozen_dtype, shard_frozen).
     """
 
     stage = "policy_gradient"
@@ -235,19 +234,7 @@ class PolicyGradientModule(OnlineModule):
         entropy_coef: float = 0.0,
         dynamic_sampling: DynamicSampling | None = None,
         overlong: Overlong | None = None,
-        reference: str | None = None,
-        rollout: RolloutLoop | None = None,
-        optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
-        max_grad_norm: float | None = 1.0,
-        tis_cap: float | None = None,
-        ptx: PtxMix | None = None,
-        prompt_filter: PromptFilter | None = None,
-        gold: RewardFn | None = None,
-        val_sampling: SamplingParams | None = None,
-        reward_batch_size: int = 64,
-        dtype: str = "float32",
-        curves_file: str | None = None,
-        export_dir: str | None = None,
+        **kwargs,
     ):
         self.estimator = (
             advantage
@@ -266,7 +253,7 @@ class PolicyGradientModule(OnlineModule):
             raise ValueError(f"kl_loss_estimator must be 'k1', 'k2' or 'k3', got {kl_loss_estimator!r}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
-        loop = rollout if rollout is not None else RolloutLoop()
+        loop = kwargs["rollout"] if kwargs.get("rollout") is not None else RolloutLoop()
         if loop.samples_per_prompt < 2 and (advantage != PER_TOKEN or dynamic_sampling is not None):
             raise ValueError(
                 f"rollout.samples_per_prompt is {loop.samples_per_prompt}, but advantage {advantage!r}"
@@ -282,10 +269,7 @@ class PolicyGradientModule(OnlineModule):
                 f"overlong.buffer ({overlong.buffer}) must be <= rollout.sampling.max_new_tokens "
                 f"({loop.sampling.max_new_tokens})"
             )
-        super().__init__(
-            policy, reward, reference, loop, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold,
-            val_sampling, reward_batch_size, dtype, curves_file, export_dir,
-        )  # fmt: skip
+        super().__init__(policy, reward, **kwargs)
         self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
         self.kl, self.dynamic_sampling, self.overlong = kl, dynamic_sampling, overlong
         self.kl_ctl = kl.controller() if kl is not None else None
