@@ -631,3 +631,13 @@ def test_grpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     parity = [h["rollout/parity_max_abs_diff"] for h in module.history if "rollout/parity_max_abs_diff" in h]
     assert len(parity) == 2 and max(parity) < 1e-3
     assert all("mismatch/abs_mean" in h for h in module.history if "time/train_s" in h)
+
+
+def test_dynamic_sampling_refuses_several_processes(tiny_policy_dir):
+    """Each rank would keep a different number of groups and take a different number of optimizer steps
+    (a hang in the gradient all-reduce): refused before the engine is built."""
+    module = make_module(tiny_policy_dir, dynamic_sampling=DynamicSampling())
+    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert module.trainer.world_size == 2
+    with pytest.raises(ValueError, match="dynamic_sampling keeps a different number of groups on each rank"):
+        module.setup("fit")

@@ -277,13 +277,13 @@ class PolicyGradientModule(OnlineModule):
         self.refill_generator = torch.Generator().manual_seed(self.rollout.seed)
 
     def setup(self, stage: str) -> None:
-        super().setup(stage)
         world = self.trainer.world_size if self._trainer is not None else 1
         if self.dynamic_sampling is not None and world > 1:
             raise ValueError(
                 f"dynamic_sampling keeps a different number of groups on each rank, so the {world} ranks "
                 "would take different numbers of optimizer steps: run it in a single process"
             )
+        super().setup(stage)
 
     # ------------------------------------------------------------------ sampling
     def _task_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor:
