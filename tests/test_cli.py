@@ -143,3 +143,22 @@ def test_fit_installs_the_atomic_checkpoint_io(tokenizer_dir, tmp_path):
         args=[*args, "--trainer.plugins=lightning.pytorch.plugins.io.TorchCheckpointIO"], run=False
     )
     assert type(mine.trainer.strategy.checkpoint_io) is TorchCheckpointIO
+
+
+def test_batch_limits_given_as_integers_stay_integers(capsys):
+    """Lightning annotates limit_*_batches and val_check_interval ``float | int``; "1" must stay one
+    batch (an int), not become 1.0 (100% of the batches); "0.5" stays a fraction."""
+    import yaml
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["fit", "--config", str(ROOT / "configs/quickstart/sft.yaml"), "--trainer.limit_val_batches=1",
+             "--trainer.limit_train_batches", "0.5", "--trainer.val_check_interval", "3",
+             "--trainer.overfit_batches", "2", "--print_config"]
+        )  # fmt: skip
+    assert exit_info.value.code in (0, None)
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert trainer["limit_val_batches"] == 1 and isinstance(trainer["limit_val_batches"], int)
+    assert trainer["limit_train_batches"] == 0.5
+    assert trainer["val_check_interval"] == 3 and isinstance(trainer["val_check_interval"], int)
+    assert trainer["overfit_batches"] == 2 and isinstance(trainer["overfit_batches"], int)

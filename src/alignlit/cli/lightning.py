@@ -12,6 +12,19 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from alignlit.checkpoint_io import AtomicCheckpointIO, check_checkpoint_module, read_checkpoint
 from alignlit.modules.base import AlignModule
 
+INT_OR_FRACTION = {
+    f"trainer.{name}"
+    for name in (
+        "limit_train_batches",
+        "limit_val_batches",
+        "limit_test_batches",
+        "limit_predict_batches",
+        "overfit_batches",
+        "val_check_interval",
+    )
+}
+"""Trainer arguments where an integer counts batches and a float is a fraction."""
+
 
 class AlignCLI(LightningCLI):
     """LightningCLI over alignlit's stages: ``model: class_path: alignlit.modules.<Stage>``.
@@ -24,6 +37,9 @@ class AlignCLI(LightningCLI):
       of another stage than the config's ``model``, is an error naming the file and both classes;
     - reports a stage's or DataModule's own argument error (``optim.lr must be in (0, 10]``) as a
       command-line error, without jsonargparse's dump of the whole config;
+    - reads ``--trainer.limit_train_batches 1`` (and the other batch limits, ``overfit_batches`` and
+      ``val_check_interval``) as the integer it is: Lightning annotates them ``float | int``, so the
+      parser made ``1`` the float ``1.0`` — 100% of the batches instead of one;
     - refuses ``--trainer.logger false`` without ``--trainer.default_root_dir``: without a logger,
       Lightning writes checkpoints, curves and ``config.yaml`` into the current directory;
     - records the full parsed config, so the stage's export says how it was made.
@@ -41,6 +57,11 @@ class AlignCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def add_arguments_to_parser(self, parser) -> None:
+        for action in parser._actions:
+            if action.dest in INT_OR_FRACTION and hasattr(action, "_typehint"):
+                action._typehint = int | float | None  # int first: "1" is one batch, "1.0" all of them
 
     def _parse_ckpt_path(self) -> None:
         sub = self.config.get("subcommand")
