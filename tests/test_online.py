@@ -177,3 +177,43 @@ def test_mismatch_is_logged_and_tis_weights_the_policy_loss(tiny_policy_dir):
         logprobs, batch.old_logprobs, batch.advantages, batch.mask, clip_eps=0.2, is_weights=expected_weights
     )
     torch.testing.assert_close(loss, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_prompt_filter_samples_like_the_rollout_unless_configured(tiny_policy_dir, prompts_file, tmp_path):
+    """Without its own sampling, the prompt filter samples with the rollout's temperature, length limit and
+    stop strings (seeded with its own seed); with one, it uses that."""
+    from alignlit.rollout import PromptFilter
+
+    seen = []
+
+    class Recording:
+        def generate(self, prompts, n, sampling):
+            seen.append(sampling)
+            return module.rollout.engine.generate(prompts, n, sampling)
+
+        def sync(self, policy):
+            pass
+
+    rollout = RolloutLoop(sampling=SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"]))
+    module = ppo(tiny_policy_dir, rollout=rollout, prompt_filter=PromptFilter(k=2, epsilon=0.0, seed=7))
+    module.prompt_filter(Recording(), length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling)
+    assert seen[-1] == SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"], seed=7)
+
+    own = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
+    PromptFilter(k=2, epsilon=0.0, sampling=own)(
+        Recording(), length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling
+    )
+    assert seen[-1] == own
+
+    # and through fit: the engine the filter gets samples with the rollout's settings
+    module = ppo(tiny_policy_dir, rollout=rollout, prompt_filter=PromptFilter(k=2, epsilon=0.0, seed=7))
+    engine = module.rollout.engine
+    calls = []
+    original = engine.generate
+    engine.generate = lambda prompts, n, sampling: calls.append(sampling) or original(prompts, n, sampling)
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, limit_train_batches=0, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, PromptDataModule(train_file=str(prompts_file), batch_size=3))
+    assert calls and all(c.max_new_tokens == 3 and c.temperature == 0.7 and c.seed == 7 for c in calls)
