@@ -72,14 +72,14 @@ CASES = [
         "fit-lr-1e38",
         _fit("--model.init_args.optim.lr=1e38"),
         SystemExit,
-        r"optim\.lr must be in \(0, 10\], got 1e\+38",
+        r"optim\.lr must be a finite number in \(0, 10\], got 1e\+38",
         2,
     ),
     Case(
         "fit-lr-negative",
         _fit("--model.init_args.optim.lr=-0.1"),
         SystemExit,
-        r"optim\.lr must be in \(0, 10\], got -0\.1",
+        r"optim\.lr must be a finite number in \(0, 10\], got -0\.1",
         2,
     ),
     Case(
