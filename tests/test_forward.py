@@ -102,6 +102,10 @@ def assert_same(naive, naive_grads, fast, fast_grads, *, dtype):
         torch.testing.assert_close(fast_grads[name] / scale, g / scale, atol=2e-6, rtol=0, msg=name)
 
 
+def test_a_hugging_face_llama_takes_both_fast_paths(model):
+    assert fwd.forward_support(model) == fwd.ForwardSupport(fused_head=None, packing=None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("path", PATHS, ids=["fused", "packed"])
@@ -145,15 +149,18 @@ def test_entropy_grad_false_detaches_only_the_entropy(model):
 
 def test_packing_layout_by_hand():
     """Rows a = [1 2 | 3 4], b = [1 2 | 5], c = [7 | 8] (prompt | response): a and b share the prompt
-    [1 2]. Group ab is laid out [1 2 3 4 5] (5 tokens), group c [7 8]; with width 5 they take one
-    row each, largest first. Positions: prompt 0 1, a's tokens 2 3, b's token 2 (its prompt is the
-    same two tokens). Token 5 (b) attends to 1 2 and itself, not to a's 3 4."""
+    [1 2]. The sequence is group ab = [1 2 3 4 5] then group c = [7 8]; positions: the prompt 0 1, a's
+    tokens 2 3, b's token 2 (after the same prompt), c's 0 1. In group ab, token 5 (b) attends to the
+    prompt and itself, not to a's 3 4; group c is padded to the longest group (5 tokens), its padding
+    slots repeating its last token (index 6) and seeing only themselves."""
     ids, attention, loss = right_padded([[1, 2, 3, 4], [1, 2, 5], [7, 8]], [2, 2, 1])
-    packed = fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=5)
-    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5], [7, 8, 0, 0, 0]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    packed = fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss))
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 7, 8]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
     assert packed.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, -1], [5, 6, -1, -1]]
-    mask = packed.attention_mask[:, 0].int()
+    assert packed.group_index.tolist() == [[0, 1, 2, 3, 4], [5, 6, 6, 6, 6]]
+    assert packed.positions.tolist() == [0, 1, 2, 3, 4, 5, 6]  # group c starts at 5 = 1 * W
+    mask = packed.group_mask[:, 0].int()
     assert mask[0].tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -161,17 +168,29 @@ def test_packing_layout_by_hand():
         [1, 1, 1, 1, 0],
         [1, 1, 0, 0, 1],
     ]
-    assert mask[1].tolist() == [  # padding slots see only themselves (no fully masked row)
+    assert mask[1].tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
         [0, 0, 1, 0, 0],
         [0, 0, 0, 1, 0],
         [0, 0, 0, 0, 1],
     ]
-    # narrow rows: a row is as wide as its longest group, the rest go first-fit
-    assert fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=1).input_ids.shape == (2, 5)
-    # wide rows: both groups in one row
-    assert fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss), width=8).input_ids.shape == (1, 7)
+
+
+def test_gradient_checkpointing_turns_packing_off(tokenizer):
+    model = make_tiny_llama(tokenizer, seed=0, **TINY)
+    model.gradient_checkpointing_enable()
+    assert "gradient checkpointing" in fwd._packing_reason(model, True)
+    ids, attention, loss = pair_batch()
+    model.train()
+    naive = fwd.token_logprobs(model, ids, attention, loss, fused_head=False).logprobs
+    torch.testing.assert_close(fwd.token_logprobs(model, ids, attention, loss).logprobs, naive)
+
+
+def test_grouped_attention_refuses_to_run_outside_a_packed_forward():
+    q = torch.zeros(1, 1, 2, 4)
+    with pytest.raises(RuntimeError, match="only inside alignlit's packed forwards"):
+        fwd._grouped_attention(None, q, q, q, None)
 
 
 def test_values_and_scores_packed_equal_the_scalar_models_own(tmp_path, tokenizer):
@@ -199,11 +218,9 @@ def test_values_and_scores_packed_equal_the_scalar_models_own(tmp_path, tokenize
 
 def test_settings_switch_and_restore(model):
     assert fwd.forward_settings() == fwd.ForwardSettings()
-    with fwd.use_forward_settings(packing=False, pack_width=64) as settings:
-        assert settings.packing is False and fwd.forward_settings().pack_width == 64
+    with fwd.use_forward_settings(packing=False) as settings:
+        assert settings.packing is False and fwd.forward_settings().fused_head is True
     assert fwd.forward_settings() == fwd.ForwardSettings()
-    with pytest.raises(ValueError, match="pack_width must be >= 1"):
-        fwd.ForwardSettings(pack_width=0)
 
 
 class Wrapped(nn.Module):
@@ -243,7 +260,7 @@ def test_sliding_window_and_flash_attention_models_do_not_pack(tokenizer):
     assert support.fused_head is None and "sliding-window" in support.packing
 
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
-    assert "takes no custom 4D mask" in fwd._probe_packing(flash, backbone=None)
+    assert "packing replaces 'sdpa' or 'eager' attention only" in fwd._probe_packing(flash, backbone=None)
 
 
 def test_a_model_whose_logits_are_not_its_head_of_its_decoder_is_detected(tokenizer):

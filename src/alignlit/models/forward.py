@@ -90,22 +90,16 @@ class ForwardSettings:
         fused_head: compute log-probs (and entropies) from the final hidden states with the LM head
             fused in, chunk by chunk (:func:`~alignlit.ops.logprobs.linear_logprobs`), for the scored
             positions only: no ``(N, T, V)`` logits. Off: the model's full logits, then log-probs.
-        packing: padding-free forwards: the real tokens of the batch are packed into a few rows with
-            a block attention mask (positions restart for every sequence), and rows that share a
-            prompt (a preference pair, the ``n`` samples of a prompt) hold it once, which every
-            response attends to. Needs ``fused_head`` (the backbone is called directly).
-        pack_width: smallest width of a packed row (a row is at least as wide as its longest group of
-            rows sharing a prompt). Attention costs ``width`` per token, so wide rows waste compute
-            on masked-out pairs; narrow rows leave more padding at row ends.
+        packing: padding-free forwards: the real tokens of the batch go through the decoder as one
+            sequence without padding (positions restart for every row), and rows that share a
+            prompt (a preference pair, the ``n`` samples of a prompt) hold it once, which each of
+            their responses attends to. Attention runs per group of rows sharing a prompt
+            (:func:`_grouped_attention`), so its cost is that of the padded batch. Needs
+            ``fused_head`` (the decoder is called directly).
     """
 
     fused_head: bool = True
     packing: bool = True
-    pack_width: int = 128
-
-    def __post_init__(self) -> None:
-        if self.pack_width < 1:
-            raise ValueError(f"pack_width must be >= 1, got {self.pack_width}")
 
 
 _DEFAULT_SETTINGS = ForwardSettings()
@@ -129,16 +123,16 @@ def use_forward_settings(**changes) -> Iterator[ForwardSettings]:
         _SETTINGS.reset(token)
 
 
-def _resolve(fused_head: bool | None, packing: bool | None) -> tuple[bool, bool, int]:
+def _resolve(fused_head: bool | None, packing: bool | None) -> tuple[bool, bool]:
     settings = forward_settings()
     fused = settings.fused_head if fused_head is None else fused_head
     pack = (settings.packing if packing is None else packing) and fused
-    return fused, pack, settings.pack_width
+    return fused, pack
 
 
-def _resolve_packing(packing: bool | None) -> tuple[bool, int]:
+def _resolve_packing(packing: bool | None) -> bool:
     settings = forward_settings()
-    return (settings.packing if packing is None else packing), settings.pack_width
+    return settings.packing if packing is None else packing
 
 
 # ------------------------------------------------------------------------ what a model supports
@@ -213,7 +207,7 @@ def _probe_packing(model: nn.Module, backbone: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
-        return f"attention implementation {impl!r} takes no custom 4D mask (packing needs 'sdpa' or 'eager')"
+        return f"attention implementation {impl!r} (packing replaces 'sdpa' or 'eager' attention only)"
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
@@ -221,18 +215,16 @@ def _probe_packing(model: nn.Module, backbone: nn.Module) -> str | None:
     if layer_types is None and getattr(text_config, "sliding_window", None) is not None:
         return f"sliding-window attention (window {text_config.sliding_window})"
     ids = _probe_ids(model, 5)[0]
-    rows = torch.stack([ids, torch.cat([ids[:3], ids[1:3]])])  # (2, 5): a shared 3-token prompt
-    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], device=ids.device)
-    rows[1, 4] = 0
-    loss_mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]], device=ids.device).bool()
+    rows = torch.stack([ids, torch.cat([ids[:3], ids[1:3]]), ids.flip(0)])  # (3, 5): rows 0, 1 share 3 tokens
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], device=ids.device)
+    rows = rows.masked_fill(attention_mask == 0, 0)
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 1, 1, 0, 0]], device=ids.device).bool()
     try:
         padded = backbone(input_ids=rows, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        packed = _pack(
-            rows, attention_mask.bool(), _prompt_lengths(attention_mask.bool(), loss_mask), width=1
-        )
-        hidden = _packed_hidden(backbone, packed, impl)
-    except (TypeError, ValueError, RuntimeError) as e:
-        return f"the backbone refused a packed batch ({type(e).__name__}: {e})"
+        packed = _pack(rows, attention_mask.bool(), _prompt_lengths(attention_mask.bool(), loss_mask))
+        hidden = _packed_hidden(backbone, packed, config)
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        return f"the decoder refused a packed batch ({type(e).__name__}: {e})"
     real = attention_mask.bool()
     if not _close(hidden[packed.index[real]], padded[real]):
         return "packed rows gave other hidden states than padded ones (the model mixes positions otherwise)"
@@ -284,23 +276,32 @@ def forward_support(model: nn.Module) -> ForwardSupport:
 
 # -------------------------------------------------------------------------------------- packing
 
+GROUPED_ATTENTION = "alignlit_grouped"
+"""Name under which :func:`_grouped_attention` is registered with Hugging Face's ``AttentionInterface``."""
+
 
 @dataclass
 class _Packed:
-    """A batch of ``N`` sequences packed into ``R`` rows of width ``L``.
+    """The real tokens of ``N`` right- or left-padded rows as one sequence of ``S`` tokens, in
+    ``G`` groups of rows that share a prompt (the prompt first, then each row's own tokens).
 
     Attributes:
-        input_ids: (R, L) long.
-        position_ids: (R, L) long, each sequence's positions counted from 0 (a shared prompt once).
-        attention_mask: (R, 1, L, L) bool, True where a query token may attend to a key token.
-        index: (N, T) long, the flat index ``r * L + c`` of each real token of the input batch
-            (-1 on padding).
+        input_ids: (1, S) long.
+        position_ids: (1, S) long: each row's positions counted from 0 (a shared prompt once).
+        index: (N, T) long, where each real token of the input batch went in the sequence (-1 on padding).
+        group_index: (G, W) long, the tokens of each group (``W``: the longest group); past a group's
+            end, its last token again (a padding slot, which nothing attends to).
+        group_mask: (G, 1, W, W) bool, True where a query token of a group may attend to a key token:
+            causal, a row's own tokens and its prompt; a padding slot sees only itself.
+        positions: (S,) long, where each token of the sequence is in the flattened (G * W) groups.
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
     index: torch.Tensor
+    group_index: torch.Tensor
+    group_mask: torch.Tensor
+    positions: torch.Tensor
 
 
 def _prompt_lengths(attention_mask: torch.Tensor, scored_tokens: torch.Tensor) -> torch.Tensor:
@@ -310,12 +311,9 @@ def _prompt_lengths(attention_mask: torch.Tensor, scored_tokens: torch.Tensor) -
     return first
 
 
-def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, *, width: int):
-    """Pack the real tokens of ``input_ids`` (N, T) into rows; rows whose first ``prompt_lengths``
-    real tokens are equal hold them once (a group: the prompt, then each row's remaining tokens).
-
-    Groups are placed first-fit by decreasing length into rows of width ``max(width, longest group)``.
-    """
+def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor) -> _Packed:
+    """Pack the real tokens of ``input_ids`` (N, T) into one sequence; rows whose first
+    ``prompt_lengths`` real tokens are equal form a group that holds them once."""
     device = input_ids.device
     ids_cpu, mask_cpu = input_ids.cpu(), attention_mask.cpu().bool()
     lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
@@ -326,72 +324,120 @@ def _pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths:
         groups.setdefault(key, []).append(i)
     members = list(groups.values())
     sizes = [prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in members]
-    order = sorted(range(len(members)), key=lambda k: -sizes[k])
-    row_width = max([width, *sizes])
-    rows: list[list[int]] = []
-    used: list[int] = []
-    for k in order:
-        for r, filled in enumerate(used):
-            if filled + sizes[k] <= row_width:
-                rows[r].append(k)
-                used[r] += sizes[k]
-                break
-        else:
-            rows.append([k])
-            used.append(sizes[k])
-    num_rows, width_used = len(rows), max(used, default=1)
-    packed_ids = torch.zeros(num_rows, width_used, dtype=torch.long)
-    positions = torch.zeros(num_rows, width_used, dtype=torch.long)
-    allowed = torch.eye(width_used, dtype=torch.bool).repeat(num_rows, 1, 1)  # (R, L, L); padding sees itself
+    width = max(sizes, default=1)
+    tokens: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
     index = torch.full(ids_cpu.shape, -1, dtype=torch.long)  # (N, T)
+    group_index = torch.empty(len(members), width, dtype=torch.long)  # (G, W)
+    in_groups = []
+    group_mask = torch.eye(width, dtype=torch.bool).repeat(len(members), 1, 1)  # (G, W, W)
     columns = [m.nonzero().flatten() for m in mask_cpu]
-    for r, group_ids in enumerate(rows):
-        offset = 0
-        for k in group_ids:
-            group = members[k]
-            p = prompts[group[0]]
-            tokens, pos, segment = (
-                [sequences[group[0]][:p]],
-                [torch.arange(p)],
-                [torch.zeros(p, dtype=torch.long)],
+    offset = 0
+    for g, group in enumerate(members):
+        p = prompts[group[0]]
+        tokens.append(sequences[group[0]][:p])
+        positions.append(torch.arange(p))
+        segments = [torch.zeros(p, dtype=torch.long)]
+        cursor = offset + p
+        for k, i in enumerate(group, start=1):
+            rest = lengths[i] - p
+            tokens.append(sequences[i][p:])
+            positions.append(torch.arange(p, lengths[i]))
+            segments.append(torch.full((rest,), k, dtype=torch.long))
+            index[i, columns[i]] = torch.cat(
+                [torch.arange(offset, offset + p), torch.arange(cursor, cursor + rest)]
             )
-            cursor = offset + p
-            for s, i in enumerate(group, start=1):
-                rest = lengths[i] - p
-                tokens.append(sequences[i][p:])
-                pos.append(torch.arange(p, lengths[i]))
-                segment.append(torch.full((rest,), s, dtype=torch.long))
-                flat = torch.cat([torch.arange(offset, offset + p), torch.arange(cursor, cursor + rest)])
-                index[i, columns[i]] = r * width_used + flat
-                cursor += rest
-            size = cursor - offset
-            seg = torch.cat(segment)  # (size,) 0 on the prompt, s on the s-th row's own tokens
-            causal = torch.ones(size, size, dtype=torch.bool).tril()
-            block = causal & ((seg[None, :] == 0) | (seg[None, :] == seg[:, None]))  # (query, key)
-            packed_ids[r, offset:cursor] = torch.cat(tokens)
-            positions[r, offset:cursor] = torch.cat(pos)
-            allowed[r, offset:cursor, offset:cursor] = block
-            offset = cursor
+            cursor += rest
+        size = cursor - offset
+        segment = torch.cat(segments)  # (size,) 0 on the prompt, k on the k-th row's own tokens
+        causal = torch.ones(size, size, dtype=torch.bool).tril()
+        group_mask[g, :size, :size] = causal & (
+            (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
+        )
+        group_index[g, :size] = torch.arange(offset, cursor)
+        group_index[g, size:] = cursor - 1
+        in_groups.append(torch.arange(g * width, g * width + size))
+        offset = cursor
     return _Packed(
-        packed_ids.to(device),
-        positions.to(device),
-        allowed[:, None].to(device),
+        torch.cat(tokens)[None].to(device),
+        torch.cat(positions)[None].to(device),
         index.to(device),
+        group_index.to(device),
+        group_mask[:, None].to(device),
+        torch.cat(in_groups).to(device),
     )
 
 
-def _packed_hidden(backbone: nn.Module, packed: _Packed, attn_implementation: str) -> torch.Tensor:
-    """(R * L, H) final hidden states of a packed batch."""
-    mask = packed.attention_mask
-    if attn_implementation == "eager":  # eager attention adds the mask to the scores
-        dtype = next(backbone.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(dtype).min
-        )
-    hidden = backbone(
-        input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids, use_cache=False
-    ).last_hidden_state  # (R, L, H)
-    return hidden.reshape(-1, hidden.shape[-1])
+_LAYOUT: ContextVar[_Packed | None] = ContextVar("alignlit_packed_layout", default=None)
+
+
+def _grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention of a packed sequence, one padded block per group of rows sharing a prompt.
+
+    ``query`` (1, H, S, D), ``key``/``value`` (1, H_kv, S, D) of the packed sequence; the layout is the
+    :class:`_Packed` being run (a context variable). Returns ``(output (1, S, H, D), None)``, what
+    Hugging Face attention functions return.
+    """
+    layout = _LAYOUT.get()
+    if layout is None:
+        raise RuntimeError(f"{GROUPED_ATTENTION} attention runs only inside alignlit's packed forwards")
+    heads = query.shape[1]
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # (1, h, S, D) -> (G, heads, W, D)
+        out = x[0][:, layout.group_index].transpose(0, 1)  # (G, h, W, D)
+        if out.shape[1] != heads:  # grouped-query attention: repeat the key/value heads
+            out = out.repeat_interleave(heads // out.shape[1], dim=1)
+        return out
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped(query),
+        grouped(key),
+        grouped(value),
+        attn_mask=layout.group_mask,
+        dropout_p=dropout,
+        scale=scaling,
+    )  # (G, H, W, D)
+    out = out.transpose(1, 2).flatten(0, 1).index_select(0, layout.positions)  # (S, H, D), sequence order
+    return out[None], None
+
+
+def _register_grouped_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GROUPED_ATTENTION, _grouped_attention)
+
+
+_register_grouped_attention()
+
+
+def _configs(config) -> list:
+    out = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return out if text is config else [*out, text]
+
+
+def _packed_hidden(backbone: nn.Module, packed: _Packed, config) -> torch.Tensor:
+    """(S, H) final hidden states of a packed sequence (attention per group, :func:`_grouped_attention`)."""
+    configs = _configs(config)
+    previous = [c._attn_implementation_internal for c in configs]
+    token = _LAYOUT.set(packed)
+    try:
+        for c in configs:
+            c._attn_implementation_internal = GROUPED_ATTENTION
+        # a 4D mask is used as given: this one-element placeholder skips mask construction (the
+        # groups' masks are in the layout)
+        placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=packed.input_ids.device)
+        hidden = backbone(
+            input_ids=packed.input_ids,
+            attention_mask=placeholder,
+            position_ids=packed.position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (1, S, H)
+    finally:
+        for c, impl in zip(configs, previous):
+            c._attn_implementation_internal = impl
+        _LAYOUT.reset(token)
+    return hidden[0]
 
 
 # ----------------------------------------------------------------------------- scoring positions
@@ -442,13 +488,11 @@ def _hidden_plan(
     *,
     position_ids: torch.Tensor | None,
     prompt_lengths: torch.Tensor | None,
-    width: int,
 ) -> _Plan:
     """Run the backbone packed (``prompt_lengths`` given) or padded, and say where each column went."""
     if prompt_lengths is not None:
-        packed = _pack(input_ids, attention_mask, prompt_lengths, width=width)
-        impl = model.config._attn_implementation
-        return _Plan(_packed_hidden(backbone, packed, impl), packed.index)
+        packed = _pack(input_ids, attention_mask, prompt_lengths)
+        return _Plan(_packed_hidden(backbone, packed, model.config), packed.index)
     hidden = backbone(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state  # (N, T, H)
@@ -495,9 +539,14 @@ def _is_right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
+_CHECKPOINTING = "gradient checkpointing recomputes the attention outside the packed forward"
+
+
 def _packing_reason(model: nn.Module, pack: bool) -> str | None:
     if not pack:
         return "off"
+    if getattr(model, "is_gradient_checkpointing", False):
+        return _CHECKPOINTING
     return forward_support(model).packing
 
 
@@ -545,7 +594,7 @@ def token_logprobs(
     temperature = _check_temperature(temperature)
     options = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
     labels, mask = input_ids[:, 1:], loss_mask[:, 1:].bool()  # (N, T-1)
-    fused, pack, width = _resolve(fused_head, packing)
+    fused, pack = _resolve(fused_head, packing)
     if not fused or forward_support(model).fused_head is not None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
         return _scored(logits, labels, mask, **options)
@@ -554,9 +603,7 @@ def token_logprobs(
     prompts = None
     if _packing_reason(model, pack) is None and _is_right_padded(attention):
         prompts = _prompt_lengths(attention, loss_mask.bool())
-    plan = _hidden_plan(
-        backbone, model, input_ids, attention_mask, position_ids=None, prompt_lengths=prompts, width=width
-    )
+    plan = _hidden_plan(backbone, model, input_ids, attention_mask, position_ids=None, prompt_lengths=prompts)
     predictor = torch.arange(labels.shape[1], device=input_ids.device).expand_as(
         labels
     )  # column t scores t + 1
@@ -621,7 +668,6 @@ def _response_plan(
     response_mask: torch.Tensor,
     *,
     pack: bool,
-    width: int,
 ) -> tuple[_Plan, torch.Tensor]:
     """The hidden states of ``[prompt ; response]`` and, per response token, the input column that
     predicts it: ``P - 1 + t``. Packed when ``pack`` and every such column is a real token."""
@@ -646,7 +692,6 @@ def _response_plan(
         attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         prompt_lengths=prompts,
-        width=width,
     )
     return plan, predictor
 
@@ -690,7 +735,7 @@ def response_token_logprobs(
     """
     temperature = _check_temperature(temperature)
     options = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
-    fused, pack, width = _resolve(fused_head, packing)
+    fused, pack = _resolve(fused_head, packing)
     if not fused or forward_support(model).fused_head is not None:
         input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
         num_prompt = prompt_ids.shape[1]
@@ -704,7 +749,7 @@ def response_token_logprobs(
     backbone = _causal_lm_parts(model)[0]
     plan, predictor = _response_plan(
         (model, backbone), prompt_ids, prompt_mask, response_ids, response_mask,
-        pack=_packing_reason(model, pack) is None, width=width,
+        pack=_packing_reason(model, pack) is None,
     )  # fmt: skip
     return _fused_scored(model, plan, predictor, response_ids, response_mask.bool(), **options)
 
@@ -737,7 +782,9 @@ def _scalar_parts(scalar_model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Mod
         _SUPPORT[hf] = support
         if support.packing is not None:
             log.info("%s: no packing: %s", type(hf).__name__, support.packing)
-    return (hf, backbone, score) if support.packing is None else None
+    if support.packing is not None or getattr(hf, "is_gradient_checkpointing", False):
+        return None
+    return hf, backbone, score
 
 
 def _probe_scalar(hf: nn.Module, backbone: nn.Module) -> str | None:
@@ -763,7 +810,7 @@ def response_values(
     :func:`response_token_logprobs` when the backbone allows it (``packing``: override
     :attr:`ForwardSettings.packing`).
     """
-    pack, width = _resolve_packing(packing)
+    pack = _resolve_packing(packing)
     parts = _scalar_parts(critic) if pack else None
     if parts is None:
         input_ids, attention_mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
@@ -772,7 +819,7 @@ def response_values(
         return values * response_mask.to(values.dtype)
     hf, backbone, score = parts
     plan, predictor = _response_plan(
-        (hf, backbone), prompt_ids, prompt_mask, response_ids, response_mask, pack=True, width=width
+        (hf, backbone), prompt_ids, prompt_mask, response_ids, response_mask, pack=True
     )
     mask = response_mask.bool()
     rows, cols = mask.nonzero(as_tuple=True)  # (M,)
@@ -799,18 +846,35 @@ def sequence_scores(
         raise ValueError(
             f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
-    pack, width = _resolve_packing(packing)
+    pack = _resolve_packing(packing)
     attention = attention_mask.bool()
     parts = _scalar_parts(scalar_model) if pack and _is_right_padded(attention) else None
     if parts is None or not bool(attention.any(-1).all()):
         return scalar_model(input_ids, attention_mask)
     hf, backbone, score = parts
     scored = loss_mask.bool() if loss_mask is not None else torch.zeros_like(attention)
-    packed = _pack(input_ids, attention, _prompt_lengths(attention, scored), width=width)
-    hidden = _packed_hidden(backbone, packed, hf.config._attn_implementation)  # (R * L, H)
+    packed = _pack(input_ids, attention, _prompt_lengths(attention, scored))
+    hidden = _packed_hidden(backbone, packed, hf.config)  # (S, H)
     last = attention.long().sum(-1) - 1  # (N,) right padding: the last real token's column
     flat = packed.index.gather(1, last[:, None]).squeeze(1)  # (N,)
     return score(hidden[flat]).squeeze(-1)
+
+
+def compile_decoder(model: nn.Module, **options) -> nn.Module:
+    """``torch.compile`` the decoder of a causal LM or scalar-head model in place; returns ``model``.
+
+    Compiles the module the functions of this module call (``get_decoder()``, or a scalar-head
+    model's ``hf_model.model``) with ``dynamic=True`` by default (packed batches change shape every
+    step); parameter names and checkpoints are unchanged (``nn.Module.compile``). Measured on CPU
+    with the tiny benchmark Llama it gives no speed-up (``benchmarks/bench_vs_trl.py --compile``);
+    it is a switch for larger models and GPUs.
+    """
+    hf = getattr(model, "hf_model", model)
+    decoder = hf.get_decoder() if callable(getattr(hf, "get_decoder", None)) else getattr(hf, "model", None)
+    if not isinstance(decoder, nn.Module):
+        raise TypeError(f"{type(model).__name__} has no decoder to compile (get_decoder() or .model)")
+    decoder.compile(**{"dynamic": True, **options})
+    return model
 
 
 DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "dropout_p", "attn_pdrop", "resid_pdrop")
