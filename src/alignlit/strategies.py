@@ -61,7 +61,8 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
     ``B`` by output rows (``A`` replicated), a row-wise one its base weight and ``A`` by input columns
     (``B`` replicated, after the all-reduce of ``A x``). Then FSDP2 ``fully_shard`` on every decoder
     layer and the root over the data-parallel dimension (frozen base and trainable adapter weights
-    share the units). Works for ``…ForCausalLM`` and ``…ForSequenceClassification`` (reward model,
+    share the units; the decoder and the heads are units of their own, since they are also called
+    apart from the model). Works for ``…ForCausalLM`` and ``…ForSequenceClassification`` (reward model,
     critic).
     """
     from torch.distributed.fsdp import fully_shard
@@ -93,7 +94,20 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
     if dp_mesh.size() > 1:
         for layer in layers:
             fully_shard(layer, mesh=dp_mesh)
+        # the decoder and the heads are called on their own (ScalarHeadModel.values, the fused LM head),
+        # so each is a unit of its own: its parameters are gathered whenever it runs
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        heads = [
+            getattr(model, name, None)
+            for name in (("score", "classifier") if tied else ("score", "classifier", "lm_head"))
+        ]
+        for part in (model.model, *heads):
+            if isinstance(part, nn.Module) and any(True for _ in part.parameters()):
+                fully_shard(part, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+        # Hugging Face's marker of an FSDP-managed model: `generate` then keeps every rank stepping until
+        # all ranks' sequences are done (synced_gpus), since each step all-gathers the sharded weights
+        model._is_fsdp_managed_module = True
     return model
 
 

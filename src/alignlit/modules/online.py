@@ -27,7 +27,6 @@ from typing import Any, ClassVar, NamedTuple
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities import rank_zero_only
 
 from alignlit.data.sampler import data_parallel_rank
 from alignlit.data.sft import SFTDataModule
@@ -447,6 +446,33 @@ class OnlineModule(AlignModule):
             metrics["mismatch/is_weight_mean"] = float(weights[mask].mean())
         return old, weights, metrics
 
+    # ------------------------------------------------------------------ several ranks
+    def data_parallel_group(self):
+        """The process group of the data-parallel ranks (None: the default group). Tensor-parallel peers
+        hold the same samples, so statistics over the global batch are summed over this group only."""
+        mesh = self.device_mesh
+        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+            return mesh["data_parallel"].get_group()
+        return None
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
+        out = values.detach().clone().to(self.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(out, group=self.data_parallel_group())
+        return out
+
+    def update_kl_controller(self, controller, kl_sum: float, count: int) -> float:
+        """Adapt ``controller`` to the mean KL per response over the global batch (``kl_sum`` and ``count``
+        summed over the data-parallel ranks), counting the global batch's responses as its steps, so
+        that every rank holds the value one process would over the same batch. Returns that mean."""
+        totals = self.all_reduce_sum(
+            torch.tensor([kl_sum, float(count)], dtype=torch.float64, device=self.device)
+        )
+        mean = float(totals[0] / totals[1])
+        controller.update(mean, round(float(totals[1])))
+        return mean
+
     def skip(self, reason: str) -> dict[str, float]:
         """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
         self.skipped_rollouts += 1
@@ -559,17 +585,17 @@ class OnlineModule(AlignModule):
         torch.set_rng_state(state["torch_rng"])
         self.load_online_state_dict(state)
 
-    @rank_zero_only
     def write_curves(self) -> Path | None:
-        """Plot the monitoring history (PNG) and write it as JSON next to it; None without history."""
-        if not self.history:
-            return None
-        from alignlit.eval.plots import plot_curves
-
+        """Plot the monitoring history (PNG) and write it as JSON next to it, on rank 0; None without
+        history and on the other ranks. Every rank calls it (``trainer.log_dir`` is a collective)."""
         out = self.curves_file
         if out is None:
             root = self.trainer.log_dir or self.trainer.default_root_dir
             out = str(Path(root) / f"{self.stage}_curves.png")
+        if not self.history or self.global_rank != 0:
+            return None
+        from alignlit.eval.plots import plot_curves
+
         path = plot_curves(
             {self.stage: self.history}, out, panels=self.curve_panels, title=f"{self.stage} monitoring"
         )

@@ -6,6 +6,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.data.preference import PreferenceBatch
+from alignlit.data.sampler import data_parallel_rank
 from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
@@ -92,11 +93,16 @@ class PairwisePrefModule(AlignModule):
         return ab_logits(self.policy, self.tokenizer.pad_token_id, seqs, self.answer_ids)
 
     def order_draw(self, n: int) -> torch.Tensor:
-        """(n,) bool, True where the chosen response is shown as A; fixed by (seed, global step)."""
+        """(n,) bool, True where the chosen response is shown as A; fixed by (seed, global step).
+
+        With ``W`` data-parallel ranks the draw is made for the global batch of ``W·n`` pairs and rank
+        ``r`` takes rows ``r, r + W, …``, the rows the data sampler deals it, so every pair is shown in
+        the order one process would show it."""
         if not self.hparams.randomize_order:
             return torch.ones(n, dtype=torch.bool)
+        rank, world = data_parallel_rank(self._trainer)
         g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
-        return torch.rand(n, generator=g) < 0.5
+        return (torch.rand(n * world, generator=g) < 0.5)[rank::world]
 
     def training_step(self, batch: PreferenceBatch, batch_idx: int) -> torch.Tensor:
         chosen_is_a = self.order_draw(len(batch)).to(self.device)

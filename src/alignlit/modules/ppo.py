@@ -36,6 +36,7 @@ from alignlit.ops import (
     normalize_scores,
     whiten,
 )
+from alignlit.ops.stats import WHITEN_EPS
 from alignlit.rollout.base import Rollout
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.loop import Experience
@@ -224,11 +225,34 @@ class PPOModule(OnlineModule):
         }
 
     def _update_moments(self, values: torch.Tensor) -> None:
-        """Fold this rollout's rewards into the running moments, merged over all ranks."""
+        """Fold this rollout's rewards into the running moments, merged over the data-parallel ranks in
+        rank order (tensor-parallel peers hold the same rewards and are counted once)."""
         local = RunningMoments()
         local.update(values)
-        local.all_reduce()
-        self.reward_moments.merge(local)
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            self.reward_moments.merge(local)
+            return
+        group = self.data_parallel_group()
+        parts: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(parts, local.state_dict(), group=group)
+        for part in parts:
+            moments = RunningMoments()
+            moments.load_state_dict(part)
+            self.reward_moments.merge(moments)
+
+    def _whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`~alignlit.ops.whiten` over the global batch: the masked mean and unbiased variance are
+        summed over the data-parallel ranks (one process: ``whiten`` itself)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return whiten(advantages, mask)
+        weights = mask.to(advantages.dtype)
+        first = self.all_reduce_sum(torch.stack([(advantages * weights).sum(), weights.sum()]).double())
+        mean = first[0] / first[1]
+        squares = self.all_reduce_sum((((advantages.double() - mean) ** 2) * weights).sum()[None])
+        var = squares[0] / (first[1] - 1)
+        return (
+            (advantages - mean.to(advantages.dtype)) * torch.rsqrt(var + WHITEN_EPS).to(advantages.dtype)
+        ) * weights
 
     @torch.no_grad()
     def make_experience(
@@ -237,8 +261,11 @@ class PPOModule(OnlineModule):
         """Build the PPO batch of one scored rollout and its monitoring metrics (PPO-max §5.2).
 
         Samples without a response token are dropped from the batch (their scores still enter the
-        running reward statistics). With fewer than two response tokens in the whole rollout there
-        is nothing to whiten or learn from: the batch is None.
+        running reward statistics); with several ranks they stay in, masked out, so that every rank
+        runs as many minibatch updates. With fewer than two response tokens in the whole rollout (over
+        every rank) there is nothing to whiten or learn from: the batch is None. With several ranks
+        the running reward moments, the batch whitening of advantages and the adaptive KL controller
+        are taken over the global batch (the data-parallel ranks), as one process would.
         """
         hp = self.hparams
         ids = tuple(
@@ -269,7 +296,7 @@ class PPOModule(OnlineModule):
                 "response/truncated": float(sum(r == "length" for r in rollout.finish_reasons)),
             }
         )
-        if int(lengths.sum()) < 2:
+        if int(self.all_reduce_sum(lengths.sum())) < 2:  # decided over every rank: all update or none
             return None, metrics
         kl = kl_estimate(old_logprobs, ref_logprobs, self.kl.estimator) * mask  # (N, T)
         rewards = kl_penalized_rewards(
@@ -277,7 +304,7 @@ class PPOModule(OnlineModule):
         )  # (N, T)
         advantages, returns = gae(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
         if hp.advantage_norm == "batch":
-            advantages = whiten(advantages, mask)
+            advantages = self._whiten(advantages, mask)
         if hp.advantage_clip is not None:
             advantages = advantages.clamp(-hp.advantage_clip, hp.advantage_clip) * mask
         batch = PPOBatch(
@@ -296,6 +323,8 @@ class PPOModule(OnlineModule):
                 "advantage/mean": float(masked_mean(advantages, mask)),
             }
         )
+        if self._trainer is not None and self.trainer.world_size > 1:  # as many minibatch updates per rank
+            return batch, metrics
         keep = (lengths > 0).nonzero().flatten()
         return (batch.select(keep) if len(keep) < len(batch) else batch), metrics
 
@@ -346,10 +375,7 @@ class PPOModule(OnlineModule):
                 actor_metrics["grad_norm"] = self.update("actor", loss)
                 actor_records.append(actor_metrics)
         if actor_active:
-            kl = self.trainer.strategy.reduce(
-                torch.tensor(metrics["kl/ref"], device=self.device), reduce_op="mean"
-            )
-            self.kl_ctl.update(float(kl), len(experience))
+            self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(experience), len(experience))
         metrics.update(
             {f"value/{k.removeprefix('value_')}": v for k, v in _mean_metrics(critic_records).items()}
         )

@@ -1,0 +1,183 @@
+"""Every stage for a few steps under one strategy, run by tests/test_strategies.py and
+tests/test_multinode.py: as a script with 2 processes (Lightning's launcher starts the second process by
+running this file again, or ``torchrun`` starts both), and in-process with one device.
+
+``python tests/multiproc_fit.py WORK STRATEGY OUT STAGE [STAGE ...]`` with ``STRATEGY`` one of
+``single`` (1 process), ``ddp`` (2-process DDP), ``tp`` (``ModelParallelStrategy``, 2-way tensor
+parallel), ``fsdp`` (``ModelParallelStrategy``, FSDP2 over 2 data-parallel ranks). ``WORK`` holds what
+:func:`write_inputs` writes. Every stage trains on the same *global* batch whatever the strategy
+(``GLOBAL_BATCH`` split over the data-parallel ranks) and writes, from rank 0, the full weights of the
+models it trains to ``OUT/<stage>/weights.pt`` and, from every rank, ``OUT/<stage>/rank-<r>.json``
+(PPO: the KL coefficient and the running reward moments that rank holds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+STAGES = ("reward", "pairpref", "dpo", "rrhf", "ppo", "grpo")
+GLOBAL_BATCH = 4
+STEPS = 3
+ROLLOUTS = 2
+OPS = ("sort", "reverse", "copy", "dedupe")
+
+
+def _prompt(i: int) -> str:
+    return f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i * 3 + j) % 8] for j in range(2 + i % 3))}\n\nAssistant:"
+
+
+def write_inputs(work: Path, tokenizer, make_policy) -> None:
+    """The data every stage reads, a tiny policy and a second one as a reference (``make_policy(seed)``
+    returns a model), under ``work``."""
+    from alignlit.models import export_pretrained
+
+    work.mkdir(parents=True, exist_ok=True)
+    export_pretrained(make_policy(0), tokenizer, work / "policy", stage="init")
+    export_pretrained(make_policy(1), tokenizer, work / "reference", stage="init")
+    with open(work / "pairs.jsonl", "w") as f:
+        for i in range(GLOBAL_BATCH * STEPS):
+            words = _prompt(i).split("Human: ")[1].split("\n")[0].split()[1:]
+            chosen, rejected = " " + " ".join(sorted(words)), " " + " ".join(words) + " ok done"
+            f.write(json.dumps({"prompt": _prompt(i), "chosen": chosen, "rejected": rejected}) + "\n")
+    with open(work / "ranked.jsonl", "w") as f:
+        for i in range(GLOBAL_BATCH * STEPS):
+            responses = [" a b", " a", " b c d e", " c"]
+            f.write(
+                json.dumps({"prompt": _prompt(i), "responses": responses, "scores": [1.0, 0.5, -1.0, 0.0]})
+                + "\n"
+            )
+    with open(work / "prompts.jsonl", "w") as f:
+        for i in range(GLOBAL_BATCH * ROLLOUTS):
+            f.write(json.dumps({"prompt": _prompt(i)}) + "\n")
+
+
+def length_reward(prompts, responses):
+    """A deterministic reward with spread: characters 'a' minus a tenth of the length."""
+    return [r.count("a") - 0.1 * len(r) for r in responses]
+
+
+def _strategy(name: str, stage: str):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if name == "single":
+        return "auto", 1, 1
+    if name == "ddp":  # PPO's critic and actor updates each leave the other model's parameters unused
+        return ("ddp_find_unused_parameters_true" if stage == "ppo" else "ddp"), 2, 2
+    if name == "tp":
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, 1
+    if name == "fsdp":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2, 2
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def _module_and_data(stage: str, work: Path, per_rank: int):
+    from alignlit.data import PreferenceDataModule, PromptDataModule, RankingDataModule
+    from alignlit.modules import (
+        DPOModule,
+        Optim,
+        PairwisePrefModule,
+        PolicyGradientModule,
+        PPOModule,
+        RewardModule,
+        RRHFModule,
+    )
+    from alignlit.modules.online import KLPenalty
+    from alignlit.rollout import RolloutLoop, SamplingParams
+
+    policy = str(work / "policy")
+    optim = Optim(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+    pairs = dict(val_fraction=0.0, max_length=32, max_prompt_length=16, batch_size=per_rank, seed=0)
+    if stage == "reward":
+        return RewardModule(policy, optim=optim, histogram=False), PreferenceDataModule(
+            str(work / "pairs.jsonl"), **pairs
+        )
+    if stage == "pairpref":
+        from alignlit.models import ABFormat
+
+        module = PairwisePrefModule(policy, ab_format=ABFormat(max_length=96), optim=optim)
+        return module, PreferenceDataModule(str(work / "pairs.jsonl"), **pairs)
+    if stage == "dpo":
+        module = DPOModule(
+            policy, beta=0.5, sft_weight=0.5, optim=optim, reference_cache_dir=str(work / "cache")
+        )
+        return module, PreferenceDataModule(str(work / "pairs.jsonl"), **pairs)
+    if stage == "rrhf":
+        data = RankingDataModule(str(work / "ranked.jsonl"), val_fraction=0.0, max_length=32, max_prompt_length=16,
+                                 batch_size=per_rank, seed=0)  # fmt: skip
+        return RRHFModule(policy, optim=optim), data
+    prompts = PromptDataModule(train_file=str(work / "prompts.jsonl"), val_fraction=0.0, batch_size=per_rank)
+    # greedy: each sample depends on its prompt only, not on the other prompts of the (local) batch
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    if stage == "ppo":
+        module = PPOModule(
+            policy, reward=length_reward, optim=optim, critic_optim=optim,
+            kl=KLPenalty(coef=0.2, target=0.01, horizon=4), reference=str(work / "reference"),
+            rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2),
+        )  # fmt: skip
+        return module, prompts
+    if stage == "grpo":
+        module = PolicyGradientModule(
+            policy, reward=length_reward, advantage="grpo", optim=optim, kl_loss_coef=0.5,
+            reference=str(work / "reference"),
+            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=2, minibatch_size=64),
+        )  # fmt: skip
+        return module, prompts
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def _trained(module) -> dict[str, torch.nn.Module]:
+    if hasattr(module, "trained_models"):
+        return {t.name: t.module for t in module.trained_models()}
+    return {"model": module.export_model()}
+
+
+def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
+    from alignlit.strategies import full_state_dict
+
+    work, out = Path(work), Path(out)
+    for stage in stages:
+        strategy, devices, data_parallel = _strategy(strategy_name, stage)
+        L.seed_everything(0)
+        module, data = _module_and_data(stage, work, GLOBAL_BATCH // data_parallel)
+        (out / stage).mkdir(parents=True, exist_ok=True)
+        if strategy_name == "single":  # the starting weights, to tell how far training moved them
+            torch.save({f"{name}.{k}": v.clone() for name, model in _trained(module).items()
+                        for k, v in getattr(model, "hf_model", model).state_dict().items()}, out / stage / "init.pt")  # fmt: skip
+        online = stage in ("ppo", "grpo")
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+            use_distributed_sampler=False, default_root_dir=str(out / stage),
+            **({"max_epochs": 1, "limit_train_batches": ROLLOUTS} if online else {"max_steps": STEPS}),
+        )  # fmt: skip
+        trainer.fit(module, data)
+        weights = {
+            f"{name}.{key}": value
+            for name, model in _trained(module).items()
+            for key, value in full_state_dict(getattr(model, "hf_model", model)).items()
+        }  # a collective when sharded
+        if trainer.global_rank == 0:
+            torch.save(weights, out / stage / "weights.pt")
+        state: dict = {}
+        if stage == "ppo":
+            state = {"kl_coef": module.kl_ctl.value, "moments": module.reward_moments.state_dict()}
+            state["history"] = [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/"))}
+                                for h in module.history]  # fmt: skip
+        (out / stage / f"rank-{trainer.global_rank}.json").write_text(json.dumps(state))
+        trainer.strategy.barrier("multiproc-fit")
+
+
+if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a rank waits
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    fit(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
