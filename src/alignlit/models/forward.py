@@ -173,6 +173,9 @@ def _causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, dict] | st
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or backbone is None or backbone is model:
         return f"{type(model).__name__} has no linear LM head on a separate decoder"
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        # e.g. a LoRA-wrapped head: its weight attribute is not what its forward applies
+        return f"the LM head is a {type(head).__name__}, not a plain nn.Linear"
     if any(_is_dtensor(p) for p in (weight, *backbone.parameters())):
         return "the weights are DTensors (tensor parallel / FSDP2): the model's own forward runs the sharded head"
     config = getattr(model, "config", None)
@@ -260,9 +263,11 @@ def forward_support(model: nn.Module) -> ForwardSupport:
     A standard Hugging Face causal LM (a decoder from ``get_decoder()``, a linear head from
     ``get_output_embeddings()``, optional ``logit_scale`` and ``final_logit_softcapping``) takes the
     fused head when, on a probe input, the head applied to the decoder's output gives the model's
-    logits; it also packs when its attention takes a custom 4D mask ("sdpa", "eager"), has no
-    sliding window, and a packed probe batch gives the padded batch's hidden states. Sharded
-    weights (DTensor) keep the model's own forward. Probed once per model (a few tiny forwards).
+    logits; it also packs when its attention is "sdpa" or "eager" (packed forwards run attention
+    per group through SDPA instead), full causal (no sliding window), and a packed probe batch
+    gives the padded batch's hidden states. Sharded weights (DTensor) and wrapped heads (LoRA on
+    the head) keep the model's own forward. Probed once per model (a few tiny forwards); gradient
+    checkpointing turns packing off at call time.
     """
     support = _SUPPORT.get(model)
     if support is None:
