@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-STAGES = ("reward", "pairpref", "dpo", "rrhf", "ppo", "grpo")
+STAGES = ("reward", "pairpref", "dpo", "rrhf", "ppo", "ppo_sharded", "grpo", "dpo_lora", "ppo_lora")
 GLOBAL_BATCH = 4
 STEPS = 3
 ROLLOUTS = 2
@@ -33,13 +33,16 @@ def _prompt(i: int) -> str:
 
 
 def write_inputs(work: Path, tokenizer, make_policy) -> None:
-    """The data every stage reads, a tiny policy and a second one as a reference (``make_policy(seed)``
-    returns a model), under ``work``."""
-    from alignlit.models import export_pretrained
+    """The data every stage reads, a tiny policy, a second one as a reference and a reward model with a
+    random head on the policy's backbone (``make_policy(seed)`` returns a model), under ``work``."""
+    from alignlit.models import export_pretrained, load_scalar_model
 
     work.mkdir(parents=True, exist_ok=True)
     export_pretrained(make_policy(0), tokenizer, work / "policy", stage="init")
     export_pretrained(make_policy(1), tokenizer, work / "reference", stage="init")
+    torch.manual_seed(2)
+    reward_model, _ = load_scalar_model(work / "policy", head="fresh")
+    export_pretrained(reward_model, tokenizer, work / "rm", stage="reward")
     with open(work / "pairs.jsonl", "w") as f:
         for i in range(GLOBAL_BATCH * STEPS):
             words = _prompt(i).split("Human: ")[1].split("\n")[0].split()[1:]
@@ -68,7 +71,7 @@ def _strategy(name: str, stage: str):
     if name == "single":
         return "auto", 1, 1
     if name == "ddp":  # PPO's critic and actor updates each leave the other model's parameters unused
-        return ("ddp_find_unused_parameters_true" if stage == "ppo" else "ddp"), 2, 2
+        return ("ddp_find_unused_parameters_true" if stage.startswith("ppo") else "ddp"), 2, 2
     if name == "tp":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, 1
     if name == "fsdp":
@@ -78,6 +81,7 @@ def _strategy(name: str, stage: str):
 
 def _module_and_data(stage: str, work: Path, per_rank: int):
     from alignlit.data import PreferenceDataModule, PromptDataModule, RankingDataModule
+    from alignlit.models.lora import LoRA
     from alignlit.modules import (
         DPOModule,
         Optim,
@@ -107,6 +111,9 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
             policy, beta=0.5, sft_weight=0.5, optim=optim, reference_cache_dir=str(work / "cache")
         )
         return module, PreferenceDataModule(str(work / "pairs.jsonl"), **pairs)
+    if stage == "dpo_lora":  # the reference is the base with the adapter disabled, every step
+        module = DPOModule(policy, beta=0.5, optim=optim, lora=LoRA(rank=4), precompute_reference=False)
+        return module, PreferenceDataModule(str(work / "pairs.jsonl"), **pairs)
     if stage == "rrhf":
         data = RankingDataModule(str(work / "ranked.jsonl"), val_fraction=0.0, max_length=32, max_prompt_length=16,
                                  batch_size=per_rank, seed=0)  # fmt: skip
@@ -114,10 +121,17 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
     prompts = PromptDataModule(train_file=str(work / "prompts.jsonl"), val_fraction=0.0, batch_size=per_rank)
     # greedy: each sample depends on its prompt only, not on the other prompts of the (local) batch
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    if stage == "ppo":
+    if stage in ("ppo", "ppo_sharded"):
+        sharded = stage == "ppo_sharded"  # frozen reference and reward model sharded like the trained models
         module = PPOModule(
-            policy, reward=length_reward, optim=optim, critic_optim=optim,
+            policy, reward=str(work / "rm") if sharded else length_reward, optim=optim, critic_optim=optim,
             kl=KLPenalty(coef=0.2, target=0.01, horizon=4), reference=str(work / "reference"),
+            rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2), shard_frozen=sharded,
+        )  # fmt: skip
+        return module, prompts
+    if stage == "ppo_lora":  # adapters on the policy and the critic; the reference is the policy's base
+        module = PPOModule(
+            policy, reward=length_reward, optim=optim, critic_optim=optim, lora=LoRA(rank=4),
             rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2),
         )  # fmt: skip
         return module, prompts
@@ -169,6 +183,9 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
             state = {"kl_coef": module.kl_ctl.value, "moments": module.reward_moments.state_dict()}
             state["history"] = [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/"))}
                                 for h in module.history]  # fmt: skip
+        if stage == "ppo_sharded":
+            state = {"sharded": [any(type(p).__name__ == "DTensor" for p in m.parameters())
+                                 for m in (module.reference, module.reward_model)]}  # fmt: skip
         (out / stage / f"rank-{trainer.global_rank}.json").write_text(json.dumps(state))
         trainer.strategy.barrier("multiproc-fit")
 

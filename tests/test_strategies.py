@@ -174,13 +174,17 @@ def assert_matches_one_process(root: Path, out: Path, ranks: int = 2) -> None:
         assert state["moments"]["mean"] == pytest.approx(expected["moments"]["mean"], rel=1e-6)
         assert state["moments"]["m2"] == pytest.approx(expected["moments"]["m2"], rel=1e-5)
     assert expected["kl_coef"] != 0.2  # the controller moved (initial β 0.2)
+    sharded = json.loads((out / "ppo_sharded" / "rank-0.json").read_text())["sharded"]
+    assert sharded == [out.name != "ddp"] * 2  # shard_frozen: reference and reward model are DTensors
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "tp", "fsdp"])
 def test_every_stage_under_two_processes_matches_one_process(multiproc_runs, tmp_path, strategy):
-    """Reward, pairwise preference, DPO, RRHF, PPO and GRPO under 2-process DDP, 2-way tensor parallel
-    and FSDP2 over 2 data-parallel ranks (``ModelParallelStrategy``, gloo) train the weights one process
-    trains on the same global batches (see :func:`assert_matches_one_process` for the tolerances)."""
+    """Reward, pairwise preference, DPO, RRHF, PPO (also with its frozen reference and reward model
+    sharded), GRPO, LoRA DPO and LoRA PPO under 2-process DDP, 2-way tensor parallel and FSDP2 over 2
+    data-parallel ranks (``ModelParallelStrategy``, gloo) train the weights one process trains on the
+    same global batches (see :func:`assert_matches_one_process` for the tolerances); one launch per
+    strategy runs every stage."""
     launch_multiproc(multiproc_runs, strategy, tmp_path / strategy)
     assert_matches_one_process(multiproc_runs, tmp_path / strategy)

@@ -51,7 +51,9 @@ def _tensor_parallel_plan(layer: nn.Module, styles: dict[str, str]) -> dict:
     return plan
 
 
-def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
+def parallelize_causal_lm(
+    model: nn.Module, device_mesh, *, reshard_after_forward: bool | None = None
+) -> nn.Module:
     """Shard a Llama-family model in place over a 2-D mesh (``data_parallel``, ``tensor_parallel``).
 
     Tensor parallel (Megatron layout): q/k/v and gate/up projections column-wise, o and down
@@ -63,7 +65,8 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
     layer and the root over the data-parallel dimension (frozen base and trainable adapter weights
     share the units; the decoder and the heads are units of their own, since they are also called
     apart from the model). Works for ``…ForCausalLM`` and ``…ForSequenceClassification`` (reward model,
-    critic).
+    critic). ``reshard_after_forward`` is FSDP2's (None: its default, the root keeps its weights
+    gathered until the backward pass); frozen models, which have no backward pass, take True.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -92,8 +95,9 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
         for layer in layers:
             parallelize_module(layer, tp_mesh, _tensor_parallel_plan(layer, styles))
     if dp_mesh.size() > 1:
+        shard = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
         for layer in layers:
-            fully_shard(layer, mesh=dp_mesh)
+            fully_shard(layer, **shard)
         # the decoder and the heads are called on their own (ScalarHeadModel.values, the fused LM head),
         # so each is a unit of its own: its parameters are gathered whenever it runs
         tied = getattr(model.config, "tie_word_embeddings", False)
@@ -103,8 +107,8 @@ def parallelize_causal_lm(model: nn.Module, device_mesh) -> nn.Module:
         ]
         for part in (model.model, *heads):
             if isinstance(part, nn.Module) and any(True for _ in part.parameters()):
-                fully_shard(part, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+                fully_shard(part, **shard)
+        fully_shard(model, **shard)
         # Hugging Face's marker of an FSDP-managed model: `generate` then keeps every rank stepping until
         # all ranks' sequences are done (synced_gpus), since each step all-gathers the sharded weights
         model._is_fsdp_managed_module = True

@@ -251,6 +251,11 @@ class AlignModule(L.LightningModule):
         exported one). Stages with several trained models (PPO: policy and critic) list them all."""
         return [self.export_model()]
 
+    def frozen_parallel_models(self) -> list[torch.nn.Module]:
+        """Frozen models :meth:`configure_model` shards too (default: none; see ``shard_frozen``); they
+        free their gathered weights after every forward."""
+        return []
+
     def configure_model(self) -> None:
         """Apply FSDP2 + tensor parallel when the strategy provides a device mesh
         (:func:`alignlit.strategies.parallelize_causal_lm`)."""
@@ -261,6 +266,8 @@ class AlignModule(L.LightningModule):
 
         for model in self.parallel_models():
             parallelize_causal_lm(getattr(model, "hf_model", model), mesh)
+        for model in self.frozen_parallel_models():
+            parallelize_causal_lm(getattr(model, "hf_model", model), mesh, reshard_after_forward=True)
         self._parallelized = True
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):

@@ -300,12 +300,14 @@ class OnlineModule(AlignModule):
         return self.policy
 
     def parallel_models(self) -> list[torch.nn.Module]:
-        """The trained models, and with ``shard_frozen`` the frozen reference and reward model."""
-        models = [trained.module for trained in self.trained_models()]
-        if self.shard_frozen:
-            frozen = [self.reference, self.reward_model]
-            models += [m for m in frozen if m is not None and not isinstance(m, AdapterDisabled)]
-        return models
+        return [trained.module for trained in self.trained_models()]
+
+    def frozen_parallel_models(self) -> list[torch.nn.Module]:
+        """With ``shard_frozen``: the frozen reference and reward model (a LoRA reference is the policy)."""
+        if not self.shard_frozen:
+            return []
+        frozen = [self.reference, self.reward_model]
+        return [m for m in frozen if m is not None and not isinstance(m, AdapterDisabled)]
 
     def frozen_prefixes(self) -> list[str]:
         """State-dict prefixes of the frozen models, left out of checkpoints (they reload from disk); a
