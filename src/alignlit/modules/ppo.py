@@ -9,6 +9,7 @@ and the policy, each with its own optimizer, LR schedule and gradient-norm clipp
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -174,7 +175,10 @@ class PPOModule(OnlineModule):
         super().__init__(policy, reward, **kwargs)
         self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
         self.critic_optim, self.kl = critic_optim, kl
-        critic_dir = critic or (reward if isinstance(reward, str) else self._policy_dir)
+        reward_dir = (
+            reward if isinstance(reward, str) and Path(reward).is_dir() else None
+        )  # not a dotted path
+        critic_dir = critic or reward_dir or self._policy_dir
         if critic_dir is None:
             raise ValueError(
                 "critic: give a scalar-model directory (the policy is a TinyLlama spec, not a directory)"
