@@ -531,6 +531,7 @@ def _fused_scored(
         logit_scale=options["logit_scale"],
         softcap=options["softcap"],
         with_entropy=with_entropy,
+        check_labels=False,  # input token ids: the embedding lookup has checked them
     )  # (M,)
     out = torch.zeros(mask.shape, dtype=logprobs.dtype, device=logprobs.device).masked_scatter(mask, logprobs)
     if entropy is not None:

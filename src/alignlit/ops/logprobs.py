@@ -266,6 +266,7 @@ def linear_logprobs(
     softcap: float | None = None,
     with_entropy: bool = False,
     chunk_rows: int | None = None,
+    check_labels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and entropies) under the LM head ``z = softcap(s·(hWᵀ + b)) / T``, fused.
 
@@ -284,6 +285,8 @@ def linear_logprobs(
         softcap: ``c`` of a final logit soft-capping ``c·tanh(x/c)`` (Gemma 2), or None.
         with_entropy: also return the entropy of each row's distribution.
         chunk_rows: rows per chunk (default: ``LINEAR_CHUNK_ELEMENTS // V``, at least ``LINEAR_MIN_ROWS``).
+        check_labels: raise on a label outside ``[0, V)`` (two host syncs on an accelerator; callers
+            whose labels are token ids the model has just embedded can skip it).
 
     Returns:
         ``(logprobs (M,), entropy (M,) or None)`` in float32 (float64 for a float64 head).
@@ -299,7 +302,7 @@ def linear_logprobs(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     vocab = weight.shape[0]
-    if labels.numel() and (labels.min().item() < 0 or labels.max().item() >= vocab):
+    if check_labels and labels.numel() and (labels.min().item() < 0 or labels.max().item() >= vocab):
         raise ValueError(
             f"labels must be token ids in [0, {vocab}), got values in [{labels.min().item()}, "
             f"{labels.max().item()}]; replace ignore indices (e.g. -100) with a valid id and mask them"
