@@ -158,6 +158,7 @@ def quickstart(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks: each prints a table and writes JSON under benchmarks/results/."""
     install(session)
+    session.install("trl==1.16.0")  # benchmarks/bench_vs_trl.py runs TRL's trainers beside alignlit's
     scripts = session.posargs or sorted(
         f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
     )
