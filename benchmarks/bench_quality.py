@@ -1,169 +1,747 @@
-"""The quality table on the simulated task: gold reward, KL to the SFT policy and response length.
+"""The quality benchmark on the simulated task: every alignment method, tuned on validation prompts,
+reported on held-out test prompts over several seeds.
 
-Rows, all on the same held-out test prompts, sampled at temperature 1 with the same seed:
-the SFT policy; best-of-n of the SFT policy (selected by the reward model when one is given,
-otherwise by the gold reward itself: an oracle upper bound); and every trained policy (DPO, RRHF,
-PPO, ...). KL is the Monte-Carlo ``KL(π ‖ π_SFT)`` per response; for best-of-n it is the analytic
-``log n - (n-1)/n``. Prints a Markdown table and writes ``benchmarks/results/quality.{json,md}``.
+Rows (``METHODS``): the SFT policy; best-of-n of the SFT policy (n = 4, 16; selected by the reward model
+and by the gold reward itself, an oracle); RFT (SFT on the reward model's best of 4); DPO (with the RPO
+SFT term), cDPO, IPO, SimPO, RRHF; online iterative DPO and online RRHF; PPO-max, vanilla PPO, GRPO and
+RLOO. Each trained row is one config, ``<configs>/<config>.yaml``; a method whose config does not exist
+is listed with "config missing", never left out.
 
-    python benchmarks/bench_quality.py        # the quickstart's out/quickstart/{sft,reward,dpo,rrhf,ppo}
-    python benchmarks/bench_quality.py --policy dpo=out/x/dpo rrhf=out/x/rrhf --reward out/x/reward
+Protocol:
+
+1. Shared stages, once, with the configs' own seeds: ``alignlit sim make-data``, SFT (``sft.yaml``), the
+   reward model (``reward.yaml``), and 4 samples per training prompt from the SFT policy ranked by the
+   reward model (``alignlit sample --pairs --rft``): the data of the offline methods.
+2. Selection: every setting of a method's grid (``GRIDS``; a few values of its main hyperparameter) is
+   trained with seed 0 and evaluated on ``--val-prompts`` prompts of ``prompts_val`` (T = 1, sampling
+   seed 0); the setting with the highest mean gold reward is kept.
+3. Report: the kept setting is trained with every seed of ``--seeds`` (seed 0 is the selection run) and
+   evaluated on ``--test-prompts`` prompts of ``prompts_test`` with sampling seed = the seed; SFT and
+   best-of-n are evaluated with the same sampling seeds. Columns: gold reward (mean ± std over seeds),
+   win rate against SFT under gold (per prompt, same sampling seed, ties ½), KL to the SFT policy (Monte
+   Carlo; analytic ``log n - (n-1)/n`` for best-of-n), response length (tokens) and wall time of the
+   method's own stage (its ``alignlit fit`` process; best-of-n: sampling and selection; SFT: its fit).
+
+Writes ``<results>/quality.{json,md}``, ``quality_selection.md`` (every validation cell) and
+``quality_frontier.png`` (gold against KL for every row). Every cell (one training run, one evaluation)
+leaves its result JSON under ``--work``; a rerun skips the cells whose JSON exists, so an interrupted run
+continues where it stopped. The planned cells and an ETA are printed first, and after every cell.
+
+    python benchmarks/bench_quality.py                        # the full benchmark (paper-scale configs)
+    python benchmarks/bench_quality.py --plan                 # only print the plan and the ETA
+    python benchmarks/bench_quality.py --methods sft dpo ppo-max --seeds 0
+    python benchmarks/bench_quality.py --tiny                 # end-to-end check at toy size (minutes)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
+import os
+import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
 
-from alignlit.data import parse_prompt, read_records
-from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table
-from alignlit.models import load_policy
-from alignlit.rollout import SamplingParams
-from alignlit.sim import load_sim
-
-QUICKSTART = Path("out/quickstart")
-DEFAULT_POLICIES = {name: str(QUICKSTART / name) for name in ("dpo", "rrhf", "ppo")}
+# --- what is benchmarked ---------------------------------------------------------------------------
 
 
-def blank_safe(score_fn):
-    """A selection score that ranks blank responses last: a reward model cannot score an empty
-    response (its encoding raises), and an empty answer is never the best of n."""
+@dataclass(frozen=True)
+class Method:
+    """One row of the table.
 
-    def select(prompts, responses):
-        kept = [i for i, r in enumerate(responses) if r.strip()]
-        out = torch.full((len(responses),), float("-inf"))
-        if kept:
-            out[kept] = torch.as_tensor(
-                score_fn([prompts[i] for i in kept], [responses[i] for i in kept]), dtype=torch.float32
-            )
-        return out.tolist()
+    ``kind``: ``"sft"`` (the shared SFT policy), ``"best_of"`` (``n`` samples of SFT, the best by
+    ``selector`` ``"rm"`` or ``"gold"``) or ``"fit"`` (``alignlit fit --config <configs>/<config>.yaml``
+    from the shared stages).
+    """
 
-    return select
+    name: str
+    label: str
+    kind: str
+    config: str | None = None
+    n: int = 1
+    selector: str | None = None
 
 
-def parse_policies(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"bench_quality: --policy takes NAME=DIR, got {item!r}")
-        out[name] = path
+METHODS: list[Method] = [
+    Method("sft", "SFT", "sft"),
+    Method("bo4-rm", "SFT best-of-4, RM-selected", "best_of", n=4, selector="rm"),
+    Method("bo16-rm", "SFT best-of-16, RM-selected", "best_of", n=16, selector="rm"),
+    Method("bo4-gold", "SFT best-of-4, gold-selected (oracle)", "best_of", n=4, selector="gold"),
+    Method("bo16-gold", "SFT best-of-16, gold-selected (oracle)", "best_of", n=16, selector="gold"),
+    Method("rft", "RFT (SFT on the RM's best of 4)", "fit", "rft"),
+    Method("dpo", "DPO + SFT term", "fit", "dpo"),
+    Method("cdpo", "cDPO", "fit", "cdpo"),
+    Method("ipo", "IPO", "fit", "ipo"),
+    Method("simpo", "SimPO", "fit", "simpo"),
+    Method("rrhf", "RRHF", "fit", "rrhf"),
+    Method("online-dpo", "online iterative DPO", "fit", "online-dpo"),
+    Method("online-rrhf", "online RRHF", "fit", "online-rrhf"),
+    Method("ppo-max", "PPO-max", "fit", "ppo"),
+    Method("ppo-vanilla", "vanilla PPO", "fit", "ppo-vanilla"),
+    Method("grpo", "GRPO", "fit", "grpo"),
+    Method("rloo", "RLOO", "fit", "rloo"),
+]
+
+LR = ("optim.lr", (0.5, 1.0, 2.0))
+"""A learning-rate grid: the config's own ``optim.lr`` times each factor."""
+
+GRIDS: dict[str, list[dict] | tuple[str, tuple[float, ...]]] = {
+    # the hyperparameter each method is most sensitive to, a few values around the config's own
+    "rft": LR,
+    "dpo": [{"loss_args": {"beta": b, "label_smoothing": 0.0}} for b in (0.05, 0.1, 0.3)],
+    "cdpo": [{"loss_args": {"beta": 0.1, "label_smoothing": e}} for e in (0.05, 0.1, 0.2)],
+    "ipo": [{"loss_args": {"beta": b}} for b in (0.1, 0.5, 1.0)],
+    "simpo": [{"loss_args": {"beta": b, "gamma": g}} for b, g in ((2.0, 0.5), (2.0, 1.0), (5.0, 1.0))],
+    "rrhf": [{"rank_weight": w} for w in (0.1, 0.3, 1.0)],
+    "online-dpo": LR,
+    "online-rrhf": LR,
+    "ppo-max": [{"kl.coef": c} for c in (0.02, 0.05, 0.1)],
+    "ppo-vanilla": LR,
+    "grpo": LR,
+    "rloo": LR,
+}
+
+# Rough wall times (s) of one stage on 2 idle CPU cores with the paper-scale configs, for the first ETA;
+# measured times replace them as cells finish. Quickstart configs take about a third, --tiny ~20 s.
+ESTIMATE_S = {
+    "make-data": 15,
+    "sft": 270,
+    "reward": 280,
+    "samples": 150,
+    "rft": 120,
+    "dpo": 130,
+    "cdpo": 130,
+    "ipo": 130,
+    "simpo": 110,
+    "rrhf": 130,
+    "online-dpo": 300,
+    "online-rrhf": 300,
+    "ppo-max": 250,
+    "ppo-vanilla": 230,
+    "grpo": 250,
+    "rloo": 250,
+    "eval": 30,
+    "eval-best-of": 120,
+}
+
+TINY_DATA = ["--n-sft", "2000", "--n-pairs", "400", "--n-prompts", "200", "--n-val", "64", "--n-test", "64"]
+TINY_STEPS = 6  # optimizer steps of offline stages with --tiny
+TINY_ROLLOUTS = 2  # rollouts of online stages with --tiny
+
+# --- configs --------------------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def get_key(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def out_prefix(configs: Path) -> str:
+    """Where the configs write (``out/paper``): the parent of the SFT config's export directory."""
+    export = get_key(read_config(configs / "sft.yaml"), "model.init_args.export_dir")
+    if not export:
+        raise SystemExit(f"bench_quality: {configs / 'sft.yaml'} has no model.init_args.export_dir")
+    return str(Path(export).parent)
+
+
+def settings_of(method: Method, configs: Path) -> list[dict]:
+    """The method's grid as a list of ``{key under model.init_args: value}`` (an LR grid resolved
+    against the config's own learning rate)."""
+    grid = GRIDS.get(method.name, [{}])
+    if isinstance(grid, tuple):
+        key, factors = grid
+        base = get_key(read_config(configs / f"{method.config}.yaml"), f"model.init_args.{key}")
+        if base is None:
+            raise SystemExit(f"bench_quality: {method.config}.yaml sets no model.init_args.{key} to scale")
+        return [{key: float(f"{float(base) * f:.3g}")} for f in factors]
+    return [dict(s) for s in grid]
+
+
+def slug(setting: dict) -> str:
+    """A directory name for a setting: ``loss_args.beta=0.1``, or ``default``."""
+    if not setting:
+        return "default"
+
+    def flat(prefix, value):
+        if isinstance(value, dict):
+            return [kv for k, v in value.items() for kv in flat(f"{prefix}.{k}", v)]
+        return [f"{prefix}={value:g}" if isinstance(value, float) else f"{prefix}={value}"]
+
+    return ",".join(kv for k, v in setting.items() for kv in flat(k, v)).replace("/", "_")
+
+
+def setting_overrides(setting: dict) -> list[str]:
+    return [f"--model.init_args.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in setting.items()]
+
+
+def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
+    """Overrides every benchmark run gets: its seed, no checkpoints (a run is redone, not resumed), no
+    progress bar (the log goes to a file); with ``tiny``, a few steps or rollouts."""
+    trainer = config.get("trainer") or {}
+    kept = [c for c in trainer.get("callbacks") or [] if "ModelCheckpoint" not in str(c.get("class_path"))]
+    out = [
+        f"--seed_everything={seed}",
+        "--trainer.enable_checkpointing=false",
+        f"--trainer.callbacks={json.dumps(kept)}",
+        "--trainer.enable_progress_bar=false",
+    ]
+    if tiny:
+        if "max_steps" in trainer:
+            out += [f"--trainer.max_steps={TINY_STEPS}", f"--trainer.val_check_interval={TINY_STEPS}"]
+        else:
+            online = "PromptDataModule" in str(get_key(config, "data.class_path"))
+            # validation once, at the end of the (possibly shorter than asked) epoch
+            out += [
+                f"--trainer.limit_train_batches={TINY_ROLLOUTS if online else TINY_STEPS}",
+                "--trainer.val_check_interval=1.0",
+            ]
+            if online:
+                out += ["--trainer.limit_val_batches=1"]
     return out
+
+
+def run_alignlit(name: str, argv: list[str], cwd: Path, log: Path) -> float:
+    """``alignlit <argv>`` in ``cwd`` as a subprocess, output to ``log``; returns its wall time.
+    A failure raises RuntimeError with the log's last lines."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "alignlit.cli", *argv],
+            cwd=cwd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = log.read_text().splitlines()[-15:]
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}; log {log}):\n" + "\n".join(tail))
+    return elapsed
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One unit of work: a training run (``what="fit"``) or an evaluation (``what="eval"``)."""
+
+    method: str
+    what: str
+    setting: dict = field(default_factory=dict)
+    seed: int = 0
+    split: str = "val"
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}/{slug(self.setting)}/seed{self.seed}" + (
+            f"/{self.split}" if self.what == "eval" else ""
+        )
+
+
+def plan(methods: list[Method], configs: Path, seeds: list[int], grid_limit: int | None) -> dict:
+    """Every cell of the benchmark, in run order, and the rows without a config.
+
+    For a trained method: each setting's fit with seed 0 and its evaluation on ``val``, then (once the
+    setting is chosen) fits with the other seeds and evaluations of every seed on ``test``. The test
+    cells are planned with the placeholder setting ``{"chosen": ...}`` because the choice depends on the
+    validation results.
+    """
+    cells: list[Cell] = []
+    missing: dict[str, str] = {}
+    for m in methods:
+        if m.kind in ("sft", "best_of"):
+            cells += [Cell(m.name, "eval", seed=s, split="test") for s in seeds]
+            continue
+        path = configs / f"{m.config}.yaml"
+        if not path.exists():
+            missing[m.name] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+            continue
+        settings = settings_of(m, configs)[:grid_limit]
+        for s in settings:
+            cells += [Cell(m.name, "fit", s, 0), Cell(m.name, "eval", s, 0, "val")]
+        chosen = {"chosen": "on-val"}
+        cells += [Cell(m.name, "fit", chosen, s) for s in seeds if s != 0]
+        cells += [Cell(m.name, "eval", chosen, s, "test") for s in seeds]
+    return {"cells": cells, "missing": missing}
+
+
+def estimate(cell: Cell, measured: dict[str, list[float]], scale: float) -> float:
+    kind = cell.method if cell.what == "fit" else ("eval-best-of" if cell.method.startswith("bo") else "eval")
+    if measured.get(kind):
+        return statistics.mean(measured[kind])
+    return ESTIMATE_S.get(kind, 200) * scale
+
+
+def fmt_s(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+# --- running --------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args, methods: list[Method]):
+        self.args = args
+        self.methods = {m.name: m for m in methods}
+        self.configs = Path(args.configs).resolve()
+        self.prefix = out_prefix(self.configs)
+        self.work = Path(args.work).resolve()
+        self.root = self.work / "root"  # the shared stages run here, as in a checkout
+        self.measured: dict[str, list[float]] = {}
+        self.failed: dict[str, str] = {}
+        self.shared_stamp: float | None = None  # when the shared stages last changed
+        self.scale = 0.1 if args.tiny else (0.35 if self.configs.name == "quickstart" else 1.0)
+
+    # shared stages: data, SFT, reward model, ranked samples
+
+    def shared(self) -> dict:
+        """Run the shared stages that have no result yet; returns their wall times."""
+        done_file = self.work / "shared.json"
+        times = json.loads(done_file.read_text()) if done_file.exists() else {}
+        out = self.root / self.prefix
+        sim = self.root / "data" / "sim"
+        steps = [
+            (
+                "make-data",
+                ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if self.args.tiny else [])],
+                sim / "manifest.json",
+            ),
+            ("sft", self.fit_args("sft.yaml", 0), out / "sft" / "alignlit.json"),
+            ("reward", self.fit_args("reward.yaml", 0), out / "reward" / "alignlit.json"),
+            (
+                "samples",
+                [
+                    "sample",
+                    "--policy",
+                    f"{self.prefix}/sft",
+                    "--prompts",
+                    "data/sim/prompts_train.jsonl",
+                    "--n",
+                    "4",
+                    "--scorer",
+                    f"{self.prefix}/reward",
+                    "--out",
+                    f"{self.prefix}/samples/ranked.jsonl",
+                    "--pairs",
+                    f"{self.prefix}/samples/pairs.jsonl",
+                    "--rft",
+                    f"{self.prefix}/samples/rft.jsonl",
+                    "--batch-size",
+                    "128",
+                    "--no-progress",
+                    *(["--max-prompts", str(self.args.sample_prompts)] if self.args.sample_prompts else []),
+                ],
+                out / "samples" / "rft.jsonl",
+            ),
+        ]
+        self.root.mkdir(parents=True, exist_ok=True)
+        redo = False  # a stage that ran makes every later one run again (they start from its result)
+        for name, argv, result in steps:
+            if not redo and name in times and result.exists():
+                continue
+            redo = True
+            print(f"bench_quality: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
+            times[name] = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
+            times["stamp"] = time.time()  # the SFT policy and reward model the cells were evaluated with
+            self.measured.setdefault(name, []).append(times[name])
+            done_file.write_text(json.dumps(times, indent=1) + "\n")
+            print(f"bench_quality: shared stage {name}: {times[name]:.0f} s", flush=True)
+        self.shared_stamp = times["stamp"]
+        return times
+
+    def fit_args(self, config_name: str, seed: int, setting: dict | None = None) -> list[str]:
+        path = self.configs / config_name
+        return [
+            "fit",
+            "--config",
+            str(path),
+            *run_overrides(read_config(path), seed=seed, tiny=self.args.tiny),
+            *setting_overrides(setting or {}),
+        ]
+
+    # one method's runs
+
+    def run_dir(self, method: str, setting: dict, seed: int) -> Path:
+        return self.work / "runs" / method / slug(setting) / f"seed{seed}"
+
+    def prepare_run_dir(self, path: Path) -> None:
+        """A run's directory looks like a checkout after the shared stages: ``data`` and the shared
+        exports are links into the shared root; the run's own outputs stay in it."""
+        (path / self.prefix).mkdir(parents=True, exist_ok=True)
+        links = {path / "data": self.root / "data"}
+        links.update(
+            {path / self.prefix / d: self.root / self.prefix / d for d in ("sft", "reward", "samples")}
+        )
+        for link, target in links.items():
+            if not link.is_symlink():
+                link.symlink_to(target, target_is_directory=True)
+
+    def fit(self, method: Method, setting: dict, seed: int) -> tuple[Path, dict]:
+        """Train one run, unless a finished run with the same command line, config text and shared
+        stages exists; returns its export directory and its record (``fit_s``, ``argv``,
+        ``config_sha256``, ``shared_stamp``, ``stamp``: when it finished)."""
+        config_path = self.configs / f"{method.config}.yaml"
+        export = get_key(read_config(config_path), "model.init_args.export_dir")
+        path = self.run_dir(method.name, setting, seed)
+        argv = self.fit_args(config_path.name, seed, setting)
+        sha = hashlib.sha256(config_path.read_bytes()).hexdigest()
+        done = read_json(path / "fit.json")
+        same = {"argv": argv, "config_sha256": sha, "shared_stamp": self.shared_stamp}
+        if all(done.get(k) == v for k, v in same.items()) and (path / export / "alignlit.json").exists():
+            return path / export, done
+        self.prepare_run_dir(path)
+        elapsed = run_alignlit(f"{method.name} {slug(setting)} seed {seed}", argv, path, path / "fit.log")
+        done = {"fit_s": elapsed, **same, "stamp": time.time()}
+        (path / "fit.json").write_text(json.dumps(done, indent=1) + "\n")
+        self.measured.setdefault(method.name, []).append(elapsed)
+        return path / export, done
+
+    # evaluation
+
+    def prompts(self, split: str) -> list[str]:
+        from alignlit.data import parse_prompt, read_records
+
+        count = self.args.val_prompts if split == "val" else self.args.test_prompts
+        records = read_records(self.root / "data" / "sim" / f"prompts_{split}.jsonl")
+        return [parse_prompt(r) for r in records][:count]
+
+    def evaluate(
+        self, method: Method, setting: dict, seed: int, split: str, policy_dir: Path | None, stamp: float
+    ) -> dict:
+        """Evaluate one cell, unless its JSON exists for the same policy (``stamp``: when the policy's run
+        finished) and prompt count; returns the cell's record."""
+        from alignlit.eval.gold import best_of_n, evaluate_policy
+        from alignlit.eval.score import rm_selector
+        from alignlit.models import load_policy
+        from alignlit.rollout import SamplingParams
+        from alignlit.sim import load_sim
+
+        cell_file = self.run_dir(method.name, setting, seed) / f"eval_{split}.json"
+        prompts = self.prompts(split)
+        cached = read_json(cell_file)
+        if cached.get("stamp") == stamp and cached.get("prompts") == len(prompts):
+            return cached
+        task, _ = load_sim(self.root / "data" / "sim")
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=self.args.max_new_tokens, seed=seed)
+        sft_dir = self.root / self.prefix / "sft"
+        sft, tokenizer = load_policy(sft_dir)
+        sft.eval()
+        common = dict(sampling=sampling, batch_size=self.args.batch_size, name=method.label)
+        start = time.perf_counter()
+        if method.kind == "best_of":
+            select = (
+                None if method.selector == "gold" else rm_selector(str(self.root / self.prefix / "reward"))
+            )
+            result = best_of_n(
+                sft, tokenizer, prompts, task.gold_rewards, n=method.n, select_fn=select, **common
+            )
+        else:
+            policy, policy_tokenizer = (sft, tokenizer) if policy_dir is None else load_policy(policy_dir)
+            policy.eval()
+            result = evaluate_policy(
+                policy, policy_tokenizer, prompts, task.gold_rewards, reference=sft, **common
+            )
+        eval_s = time.perf_counter() - start
+        self.measured.setdefault("eval-best-of" if method.kind == "best_of" else "eval", []).append(eval_s)
+        record = {
+            "method": method.name,
+            "setting": setting,
+            "seed": seed,
+            "split": split,
+            "prompts": len(prompts),
+            **result.as_dict(),
+            "prompt_gold": result.prompt_gold,
+            "eval_s": eval_s,
+            "stamp": stamp,
+        }
+        cell_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cell_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        tmp.replace(cell_file)
+        return record
+
+    # the whole benchmark
+
+    def chosen_setting(self, method: Method) -> tuple[dict, list[dict]]:
+        """The setting with the best mean validation gold, and every validation record."""
+        records = []
+        for s in settings_of(method, self.configs)[: self.args.grid_limit]:
+            export, run = self.fit(method, s, 0)
+            records.append(self.evaluate(method, s, 0, "val", export, run["stamp"]))
+        best = max(records, key=lambda r: r["gold"])
+        return best["setting"], records
+
+    def print_eta(self, cells: list[Cell], done: int) -> None:
+        left = sum(estimate(c, self.measured, self.scale) for c in cells[done:])
+        print(f"bench_quality: {done}/{len(cells)} cells done; ETA {fmt_s(left)}", flush=True)
+
+
+def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
+    """Mean and std over seeds of one method's test records, with the win rate against SFT."""
+    from alignlit.eval.gold import win_rate
+
+    def mean_std(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return None, None
+        return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+    wins = [win_rate(r["prompt_gold"], sft_by_seed[r["seed"]]) for r in rows if r["seed"] in sft_by_seed]
+    out = {"seeds": [r["seed"] for r in rows]}
+    for key, values in (
+        ("gold", [r["gold"] for r in rows]),
+        ("win_vs_sft", wins),
+        ("kl_to_sft", [r["kl_to_reference"] for r in rows]),
+        ("length", [r["length"] for r in rows]),
+        ("wall_s", [r.get("wall_s") for r in rows]),
+    ):
+        out[key], out[f"{key}_std"] = mean_std(values)
+    return out
+
+
+def pm(mean, std, digits=3) -> str:
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def format_table(table: list[dict]) -> str:
+    lines = [
+        "| method | setting (chosen on prompts_val) | gold reward | win rate vs SFT | KL to SFT | length (tokens) "
+        "| wall time (s) | seeds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        if r.get("status"):
+            lines.append(f"| {r['label']} | {r['status']} |  |  |  |  |  |  |")
+            continue
+        lines.append(
+            f"| {r['label']} | {r['setting']} | {pm(r['gold'], r['gold_std'])} | "
+            f"{pm(r['win_vs_sft'], r['win_vs_sft_std'])} | {pm(r['kl_to_sft'], r['kl_to_sft_std'], 2)} | "
+            f"{pm(r['length'], r['length_std'], 1)} | {pm(r['wall_s'], r['wall_s_std'], 0)} | {len(r['seeds'])} |"
+        )
+    return "\n".join(lines)
+
+
+def format_selection(records: list[dict]) -> str:
+    lines = [
+        "| method | setting | val gold | ± s.e. | KL to SFT | length | chosen |",
+        "|---|---|---:|---:|---:|---:|:-:|",
+    ]
+    for r in records:
+        kl = "" if r["kl_to_reference"] is None else f"{r['kl_to_reference']:.2f}"
+        lines.append(
+            f"| {r['method']} | {slug(r['setting'])} | {r['gold']:.3f} | {r['gold_stderr']:.3f} | {kl} | "
+            f"{r['length']:.1f} | {'✓' if r.get('chosen') else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def frontier(table: list[dict]) -> list[dict]:
+    points = []
+    for r in table:
+        if r.get("status") or r["kl_to_sft"] is None:
+            continue
+        series = []
+        if r["name"] == "sft":
+            series = ["best-of-n (RM)", "best-of-n (gold)"]
+        elif r["name"].startswith("bo"):
+            series = ["best-of-n (RM)" if r["name"].endswith("-rm") else "best-of-n (gold)"]
+        points.append(
+            {
+                "name": r["label"].split(",")[0] + (" (gold)" if r["name"].endswith("-gold") else ""),
+                "kl": r["kl_to_sft"],
+                "gold": r["gold"],
+                "kl_err": r["kl_to_sft_std"],
+                "gold_err": r["gold_std"],
+                "series": series,
+            }
+        )
+    return points
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sim", default="data/sim", help="`alignlit sim make-data` directory")
-    p.add_argument("--sft", default=str(QUICKSTART / "sft"), help="SFT policy (the KL reference)")
     p.add_argument(
-        "--reward",
-        default=str(QUICKSTART / "reward"),
-        help="reward model selecting best-of-n (missing: oracle selection by the gold reward)",
+        "--configs", default=None, help="config directory (default: configs/paper; --tiny: quickstart)"
     )
     p.add_argument(
-        "--policy",
-        nargs="*",
-        default=None,
-        help="NAME=DIR rows (default: dpo, rrhf, ppo under out/quickstart/, those that exist)",
+        "--methods", nargs="*", default=[m.name for m in METHODS], choices=[m.name for m in METHODS]
     )
-    p.add_argument("--best-of", type=int, nargs="*", default=[4], help="best-of-n rows (default: 4)")
+    p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="seeds of the reported runs")
+    p.add_argument("--grid-limit", type=int, default=None, help="use only the first N settings of each grid")
+    p.add_argument("--val-prompts", type=int, default=200, help="prompts_val prompts for the selection")
+    p.add_argument("--test-prompts", type=int, default=500, help="prompts_test prompts for the report")
     p.add_argument(
-        "--oracle", action="store_true", help="also best-of-n selected by the gold reward (an upper bound)"
+        "--sample-prompts", type=int, default=None, help="training prompts sampled for the offline data"
     )
-    p.add_argument("--n-prompts", type=int, default=500, help="held-out test prompts (default: 500)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--out", default="benchmarks/results/quality", help="output path without extension")
+    p.add_argument("--work", default=None, help="runs and cell results (default: out/bench_quality[_tiny])")
+    p.add_argument(
+        "--results", default=None, help="table, JSON, plot (default: benchmarks/results; --tiny: WORK)"
+    )
+    p.add_argument("--tiny", action="store_true", help="toy sizes: checks the whole pipeline in minutes")
+    p.add_argument("--plan", action="store_true", help="print the planned cells and the ETA, run nothing")
     return p
 
 
-def main(argv: list[str] | None = None) -> list[EvalResult]:
+def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    torch.manual_seed(args.seed)
-    if not Path(args.sft).is_dir():
-        raise SystemExit(f"bench_quality: no SFT policy at {args.sft}; run the quickstart first (README)")
-    if args.policy is None:
-        policies = {k: v for k, v in DEFAULT_POLICIES.items() if Path(v).is_dir()}
-        skipped = sorted(set(DEFAULT_POLICIES) - set(policies))
-        if skipped:
-            print(f"bench_quality: not trained yet, skipped: {', '.join(skipped)}")
-    else:
-        policies = parse_policies(args.policy)
-        missing = [f"{k}={v}" for k, v in policies.items() if not Path(v).is_dir()]
-        if missing:
-            raise SystemExit(f"bench_quality: no policy directory for {', '.join(missing)}")
-
-    task, _ = load_sim(args.sim)
-    prompts = [parse_prompt(r) for r in read_records(Path(args.sim) / "prompts_test.jsonl")][: args.n_prompts]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    sft, tokenizer = load_policy(args.sft)
-    sft.eval()
-    common = dict(sampling=sampling, batch_size=args.batch_size)
-    start = time.perf_counter()
-
-    results = [
-        evaluate_policy(sft, tokenizer, prompts, task.gold_rewards, reference=sft, name="SFT", **common)
-    ]
-    select_fn, selector = None, "oracle: gold"
-    if Path(args.reward).is_dir():
-        from alignlit.models import load_reward_model
-
-        select_fn, selector = (
-            blank_safe(load_reward_model(args.reward, batch_size=args.batch_size).score),
-            "RM",
-        )
-    selectors = [(select_fn, selector)]
-    if args.oracle and select_fn is not None:
-        selectors.append((None, "oracle: gold"))
-    for n in args.best_of:
-        for fn, label in selectors:
-            results.append(
-                best_of_n(
-                    sft,
-                    tokenizer,
-                    prompts,
-                    task.gold_rewards,
-                    n=n,
-                    select_fn=fn,
-                    name=f"SFT best-of-{n} ({label})",
-                    **common,
-                )
-            )
-    for name, path in policies.items():
-        policy, policy_tokenizer = load_policy(path)
-        policy.eval()
-        results.append(
-            evaluate_policy(
-                policy, policy_tokenizer, prompts, task.gold_rewards, reference=sft, name=name, **common
-            )
-        )
-
-    table = format_table(results)
-    print(table)
-    elapsed = time.perf_counter() - start
-    print(f"\n{len(prompts)} test prompts, T=1, seed {args.seed}; KL to {args.sft}; {elapsed:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    setup = {
-        "sim": args.sim,
-        "sft": args.sft,
-        "reward": args.reward if select_fn is not None else None,
-        "policies": policies,
-        "prompts": len(prompts),
-        "temperature": 1.0,
-        "max_new_tokens": args.max_new_tokens,
-        "seed": args.seed,
-    }
-    out.with_suffix(".json").write_text(
-        json.dumps({"setup": setup, "results": [r.as_dict() for r in results]}, indent=2) + "\n"
+    if 0 not in args.seeds:
+        raise SystemExit("bench_quality: --seeds must include 0 (the seed of the selection runs)")
+    if args.tiny:
+        args.configs = args.configs or str(ROOT / "configs" / "quickstart")
+        args.work = args.work or "out/bench_quality_tiny"
+        args.val_prompts, args.test_prompts = min(args.val_prompts, 16), min(args.test_prompts, 16)
+        args.sample_prompts = args.sample_prompts or 48
+    args.configs = args.configs or str(ROOT / "configs" / "paper")
+    args.work = args.work or "out/bench_quality"
+    args.results = Path(
+        args.results or (Path(args.work) / "results" if args.tiny else ROOT / "benchmarks" / "results")
     )
-    out.with_suffix(".md").write_text(table + "\n")
-    return results
+    methods = [m for m in METHODS if m.name in args.methods]
+    bench = Bench(args, methods)
+    the_plan = plan(methods, bench.configs, args.seeds, args.grid_limit)
+    cells: list[Cell] = the_plan["cells"]
+    shared_left = [
+        k for k in ("make-data", "sft", "reward", "samples") if k not in read_json(bench.work / "shared.json")
+    ]
+    shared_s = sum(ESTIMATE_S[k] * bench.scale for k in shared_left)
+    print(f"bench_quality: configs {bench.configs}, work {bench.work}, results {args.results}")
+    print(f"bench_quality: shared stages to run: {', '.join(shared_left) or 'none'} (~{fmt_s(shared_s)})")
+    for m, path in the_plan["missing"].items():
+        print(f"bench_quality: {m}: config missing ({path}): listed in the table, not run")
+    print(f"bench_quality: {len(cells)} cells planned:")
+    for c in cells:
+        print(f"  {c.what:<4} {c.key}")
+    total = shared_s + sum(estimate(c, {}, bench.scale) for c in cells)
+    print(
+        f"bench_quality: ETA {fmt_s(total)} (estimates for 2 idle CPU cores; cells already done are skipped)"
+    )
+    if args.plan:
+        return {"plan": the_plan, "eta_s": total}
+
+    shared_times = bench.shared()
+    table, selection, done = [], [], 0
+    sft_by_seed: dict[int, list[float]] = {}
+    for m in methods:
+        if m.name in the_plan["missing"]:
+            table.append(
+                {"name": m.name, "label": m.label, "status": f"config missing: {the_plan['missing'][m.name]}"}
+            )
+            continue
+        try:
+            rows = []
+            if m.kind in ("sft", "best_of"):
+                setting = {}
+                for s in args.seeds:
+                    rec = bench.evaluate(m, {}, s, "test", None, shared_times["stamp"])
+                    rec["wall_s"] = shared_times.get("sft") if m.kind == "sft" else rec["eval_s"]
+                    rows.append(rec)
+                    done += 1
+                    bench.print_eta(cells, done)
+                if m.kind == "sft":
+                    sft_by_seed = {r["seed"]: r["prompt_gold"] for r in rows}
+            else:
+                setting, records = bench.chosen_setting(m)
+                for r in records:
+                    r["chosen"] = r["setting"] == setting
+                selection += records
+                done += 2 * len(records)
+                bench.print_eta(cells, done)
+                for s in args.seeds:
+                    export, run = bench.fit(m, setting, s)
+                    rec = bench.evaluate(m, setting, s, "test", export, run["stamp"])
+                    rec["wall_s"] = run["fit_s"]
+                    rows.append(rec)
+                    done += 1 if s == 0 else 2
+                    bench.print_eta(cells, done)
+            table.append(
+                {"name": m.name, "label": m.label, "setting": slug(setting), **aggregate(rows, sft_by_seed)}
+            )
+        except RuntimeError as err:
+            bench.failed[m.name] = str(err)
+            print(f"bench_quality: {m.name} FAILED: {err}", flush=True)
+            table.append({"name": m.name, "label": m.label, "status": f"failed: {str(err).splitlines()[0]}"})
+
+    results = args.results
+    results.mkdir(parents=True, exist_ok=True)
+    md = format_table(table)
+    note = (
+        f"\n{args.test_prompts} prompts_test prompts, T = 1; mean ± std over seeds {args.seeds}; settings chosen "
+        f"on {args.val_prompts} prompts_val prompts; configs {Path(args.configs).name}; "
+        f"{time.strftime('%Y-%m-%d')}; `python benchmarks/bench_quality.py"
+        + (" --tiny" if args.tiny else "")
+        + "`"
+    )
+    print("\n" + md + note)
+    (results / "quality.md").write_text(md + "\n" + note + "\n")
+    (results / "quality_selection.md").write_text(format_selection(selection) + "\n")
+    slim_selection = [{k: v for k, v in r.items() if k != "prompt_gold"} for r in selection]
+    (results / "quality.json").write_text(
+        json.dumps(
+            {
+                "setup": {
+                    "configs": Path(args.configs).name,
+                    "seeds": args.seeds,
+                    "val_prompts": args.val_prompts,
+                    "test_prompts": args.test_prompts,
+                    "tiny": args.tiny,
+                    "date": time.strftime("%Y-%m-%d"),
+                    "shared_stage_s": shared_times,
+                },
+                "table": table,
+                "selection": slim_selection,
+            },
+            indent=1,
+            default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,
+        )
+        + "\n"
+    )
+    from alignlit.eval.plots import plot_frontier
+
+    points = frontier(table)
+    if points:
+        plot_frontier(
+            points,
+            results / "quality_frontier.png",
+            title=f"gold vs KL to SFT ({args.test_prompts} test prompts, mean ± std over {len(args.seeds)} seeds)",
+            baseline="SFT" if any(p["name"] == "SFT" for p in points) else None,
+        )
+    print(f"bench_quality: wrote {results}/quality.{{md,json}}, quality_selection.md, quality_frontier.png")
+    if bench.failed:
+        raise SystemExit(f"bench_quality: {len(bench.failed)} method(s) failed: {', '.join(bench.failed)}")
+    return {"table": table, "selection": slim_selection}
 
 
 if __name__ == "__main__":

@@ -100,5 +100,5 @@ def test_eval_command_line_parses_every_option():
             "--greedy",
         ]
     )
-    assert args.select == "rm" and args.best_of == [4, 16] and args.greedy
-    assert build_parser().parse_args(["--sim", "d"]).select == "gold"
+    assert args.select == ["rm"] and args.best_of == [4, 16] and args.greedy
+    assert build_parser().parse_args(["--sim", "d"]).select == ["gold"]

@@ -50,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--select",
-        default="gold",
-        help="who picks the best of n: 'gold' (oracle) or a reward-model directory (default: gold)",
+        nargs="+",
+        default=["gold"],
+        help="who picks the best of n: 'gold' (oracle) and/or reward-model directories, one set of "
+        "best-of-n rows each (default: gold)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
@@ -134,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     if args.untrained:
         candidates.insert(0, ("untrained", TinyLlama(tokenizer=args.untrained)))
 
-    select_fn = None if args.select == "gold" else rm_selector(args.select)
+    selectors = [None if spec == "gold" else rm_selector(spec) for spec in args.select]
     results: list[EvalResult] = []
     for name, source in candidates:
         policy, tokenizer = load_policy(source)
@@ -156,18 +158,19 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
                 evaluate_policy(policy, tokenizer, prompts, task.gold_rewards, sampling=greedy, **common)
             )
         for n in args.best_of if args.best_of_for is None or name in args.best_of_for else ():
-            results.append(
-                best_of_n(
-                    policy,
-                    tokenizer,
-                    prompts,
-                    task.gold_rewards,
-                    n=n,
-                    sampling=sampling,
-                    select_fn=select_fn,
-                    **common,
+            for select_fn in selectors:
+                results.append(
+                    best_of_n(
+                        policy,
+                        tokenizer,
+                        prompts,
+                        task.gold_rewards,
+                        n=n,
+                        sampling=sampling,
+                        select_fn=select_fn,
+                        **common,
+                    )
                 )
-            )
     print(format_table(results, baseline=baseline))
     demos = manifest["stats"]["sft"]["train"]
     print(
