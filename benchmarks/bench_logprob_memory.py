@@ -25,9 +25,12 @@ default (it must not be slower there). Prints a table and writes
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
+
 import argparse
 import json
-import os
 import platform
 import statistics
 import time

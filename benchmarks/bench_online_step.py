@@ -27,11 +27,14 @@ Prints both tables and writes ``benchmarks/results/online_step.json``.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
+
 import argparse
 import importlib.util
 import json
 import logging
-import os
 import platform
 import statistics
 import tempfile
@@ -112,7 +115,7 @@ class RolloutClock(L.Callback):
         self.wall[batch_idx] = time.perf_counter() - self.start
 
 
-def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args) -> dict:
+def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, interleave: bool) -> dict:
     import alignlit.modules.policy_gradient as pg_module
     import alignlit.modules.ppo as ppo_module
     from alignlit.modules import Optim, PolicyGradientModule, PPOModule
@@ -147,6 +150,14 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args) -> 
     ppo_module.response_values = timers.timed(
         ppo_module.response_values, "values", lambda *a, **k: not torch.is_grad_enabled()
     )
+    last: dict[str, object] = {}
+    train_on = module.train_on
+
+    def keep_last(experience):
+        last["experience"] = experience
+        return train_on(experience)
+
+    module.train_on = keep_last
     clock = RolloutClock(timers)
     loader = torch.utils.data.DataLoader(prompts[: batch * args.rollouts], batch_size=batch, collate_fn=list)
     trainer = L.Trainer(
@@ -183,7 +194,13 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args) -> 
         parts["other"] = clock.wall[k] - sum(parts.values())
         rows.append(parts)
     mean = {p: statistics.fmean(r[p] for r in rows) for p in PARTS}
+    if interleave and args.interleaved:
+        module.train_on = train_on
+        interleaved = interleaved_parts(module, stage, last["experience"], args)
+    else:
+        interleaved = None
     return {
+        "interleaved": interleaved,
         "stage": stage,
         "engine": engine,
         "responses_per_rollout": batch * (1 if stage == "ppo" else args.group),
@@ -192,6 +209,40 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args) -> 
         "total_s": sum(mean.values()),
         "per_rollout": rows,
     }
+
+
+BEFORE = {"fused_head": False, "packing": False}
+
+
+def interleaved_parts(module, stage: str, experience, args) -> dict[str, dict[str, float]]:
+    """The parts the forward path drives, on the last rollout, alternating after/before settings:
+    ``experience`` (old and reference log-probs, values, advantages: ``make_experience`` /
+    ``make_batch``) and ``update`` (forward and backward of the losses on the whole batch, no
+    optimizer step). Medians of ``--interleaved`` alternations, each path once per alternation."""
+    times: dict[str, dict[str, list[float]]] = {
+        p: {"experience": [], "update": []} for p in ("after", "before")
+    }
+    for _ in range(args.interleaved):
+        for path, settings in (("after", {}), ("before", BEFORE)):
+            with fwd.use_forward_settings(**settings):
+                start = time.perf_counter()
+                if stage == "ppo":
+                    batch, _ = module.make_experience(experience.rollout, experience.rewards)
+                else:
+                    batch, _ = module.make_batch(experience.rollout, experience.rewards)
+                middle = time.perf_counter()
+                module.zero_grad(set_to_none=True)
+                losses = (
+                    [module.critic_loss(batch)[0], module.actor_loss(batch)[0]]
+                    if stage == "ppo"
+                    else [module.policy_loss(batch)[0]]
+                )
+                for loss in losses:
+                    loss.backward()
+                end = time.perf_counter()
+            times[path]["experience"].append(middle - start)
+            times[path]["update"].append(end - middle)
+    return {p: {k: statistics.median(v) for k, v in parts.items()} for p, parts in times.items()}
 
 
 def generation_table(policy: Path, prompts: list[str], args) -> list[dict]:
@@ -260,6 +311,9 @@ def main() -> None:
     parser.add_argument(
         "--no-before", action="store_true", help="skip the runs with the earlier forward path"
     )
+    parser.add_argument(
+        "--interleaved", type=int, default=5, help="after/before alternations on the last rollout (0: none)"
+    )
     parser.add_argument("--out", default="benchmarks/results/online_step.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -284,12 +338,12 @@ def main() -> None:
                 if engine == "vllm" and not vllm_installed:
                     results.append({"stage": stage, "engine": engine, "path": "-", "status": "not installed"})
                     continue
-                paths = [("after", {})] + (
-                    [] if args.no_before else [("before", {"fused_head": False, "packing": False})]
-                )
+                paths = [("after", {})] + ([] if args.no_before else [("before", BEFORE)])
                 for path, settings in paths:
                     with fwd.use_forward_settings(**settings):
-                        result = run_stage(stage, engine, Path(tmp), prompts, args)
+                        result = run_stage(
+                            stage, engine, Path(tmp), prompts, args, interleave=path == "after"
+                        )
                     results.append({**result, "path": path, "status": "ok"})
                     print(f"  {stage} {engine} {path}: {result['total_s']:.2f} s per rollout", flush=True)
         generation = generation_table(policy, prompts, args)
@@ -307,6 +361,23 @@ def main() -> None:
             f"{r['seconds'][p]:>7.3f} ({100 * r['seconds'][p] / r['total_s']:>3.0f}%)" for p in PARTS
         )
         print(f"{r['stage']:<6} {r['engine']:<6} {r['path']:<7} {cells} {r['total_s']:>7.2f}")
+    print(
+        "\nthe forward-driven parts on the last rollout, after vs before, alternated "
+        f"{args.interleaved} times (median seconds): experience = old/ref log-probs, values, advantages; "
+        "update = loss forward + backward on the whole rollout"
+    )
+    print(
+        f"{'stage':<6} {'engine':<6} {'experience after':>17} {'before':>8} {'x':>5} {'update after':>13} {'before':>8} {'x':>5}"
+    )
+    for r in results:
+        if r["status"] != "ok" or r["path"] != "after" or not r.get("interleaved"):
+            continue
+        a, b = r["interleaved"]["after"], r["interleaved"]["before"]
+        print(
+            f"{r['stage']:<6} {r['engine']:<6} {a['experience']:>17.3f} {b['experience']:>8.3f} "
+            f"{b['experience'] / a['experience']:>5.2f} {a['update']:>13.3f} {b['update']:>8.3f} "
+            f"{b['update'] / a['update']:>5.2f}"
+        )
     print(f"\nHFEngine.generate alone ({args.prompts} prompts, median of {args.repeats}):")
     print(f"{'variant':<28} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'engine own s':>13}")
     for g in generation:

@@ -5,8 +5,9 @@ vocabulary of 512 trained on the simulated task: 3.3M parameters) on the same si
 (``alignlit.sim``, generated in-process and tokenised once, so both sides see the same token ids),
 in the same order (no shuffling), with the same batch size, AdamW (same lr, betas, weight decay,
 constant schedule, no warmup, no clipping), float32, no gradient checkpointing, and the same number
-of torch threads. Each measurement runs in its own subprocess (clean peak RSS), alternating sides,
-``--reps`` repetitions; the median over repetitions is reported.
+of torch threads, with ``OMP_WAIT_POLICY=PASSIVE`` (on a machine shared with other jobs, OpenMP's
+default spinning made step times vary 20-fold). Each measurement runs in its own subprocess (clean
+peak RSS), alternating sides, ``--reps`` repetitions; the median over repetitions is reported.
 
 Per workload and side: examples/s and tokens/s (real and padded) over the timed steps (after
 ``--warmup`` steps), peak RSS, the first-step loss (both sides must agree: the cheapest correctness
@@ -452,6 +453,7 @@ def run_worker(python: str, side: str, workload: str, root: Path, args) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
+        "OMP_WAIT_POLICY": args.omp_wait_policy,
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
         "CUDA_VISIBLE_DEVICES": "",
@@ -534,6 +536,12 @@ def main() -> None:
         action="store_true",
         help="torch.profiler breakdown of the timed steps (slower; not for timing)",
     )
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of both sides (PASSIVE: idle OpenMP threads sleep instead of spinning; on a "
+        "shared machine spinning threads made step times vary 20-fold)",
+    )
     parser.add_argument("--loss-tol", type=float, default=1e-5)
     parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
@@ -580,8 +588,8 @@ def main() -> None:
         f"{args.reps} reps, {args.threads} threads; TRL {trl_version}; matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
     header = (
-        f"{'workload':<11} {'side':<8} {'ex/s':>7} {'tok/s real':>10} {'tok/s pad':>10} {'RSS MB':>7} "
-        f"{'MFU':>6} {'first loss':>12} {'ratio':>6} {'|Δ loss|':>9}"
+        f"{'workload':<11} {'side':<8} {'ex/s':>7} {'tok/s real':>10} {'tok/s pad':>10} {'CPU ms/step':>11} "
+        f"{'RSS MB':>7} {'MFU':>6} {'first loss':>12} {'ratio':>6} {'|Δ loss|':>9}"
     )
     print(header)
     for r in results:
@@ -590,7 +598,8 @@ def main() -> None:
             tail = f"{r['ratio']:>6.2f} {r['first_loss_diff']:>9.1e}" if side == "alignlit" else ""
             print(
                 f"{r['alignlit']['workload']:<11} {side:<8} {s['examples_per_s']:>7.1f} "
-                f"{s['real_tokens_per_s']:>10.0f} {s['padded_tokens_per_s']:>10.0f} {s['peak_rss_mb']:>7.0f} "
+                f"{s['real_tokens_per_s']:>10.0f} {s['padded_tokens_per_s']:>10.0f} "
+                f"{1e3 * s['cpu_seconds'] / args.steps:>11.0f} {s['peak_rss_mb']:>7.0f} "
                 f"{100 * s['mfu']:>5.1f}% {s['first_loss']:>12.7f} {tail}"
             )
     if args.profile:

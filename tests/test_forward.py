@@ -247,6 +247,11 @@ def test_models_without_the_standard_parts_use_their_full_logits(model, tokenize
     scaled.config.logits_scaling = 2.0
     assert "rescales its logits (logits_scaling)" in fwd.forward_support(scaled).fused_head
 
+    wrapped_head = make_tiny_llama(tokenizer, seed=0, **TINY)
+    wrapped_head.lm_head = Wrapped(wrapped_head.lm_head)
+    wrapped_head.lm_head.weight = wrapped_head.lm_head.inner.weight
+    assert "the LM head is a Wrapped, not a plain nn.Linear" in fwd.forward_support(wrapped_head).fused_head
+
     sharded = make_tiny_llama(tokenizer, seed=0, **TINY)
     monkeypatch.setattr(fwd, "_is_dtensor", lambda t: t is sharded.lm_head.weight)
     assert "DTensor" in fwd.forward_support(sharded).fused_head
