@@ -129,6 +129,16 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
             rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2), shard_frozen=sharded,
         )  # fmt: skip
         return module, prompts
+    if stage == "ppo_vllm":  # one vLLM engine on rank 0 serves every rank; parity checked on every share
+        module = PPOModule(
+            policy, reward=length_reward, optim=optim, critic_optim=optim,
+            kl=KLPenalty(coef=0.2, target=0.01, horizon=4), reference=str(work / "reference"),
+            rollout=RolloutLoop(
+                engine="vllm", sampling=SamplingParams(temperature=1.0, max_new_tokens=4), minibatch_size=64,
+                epochs=2, parity_every=1, parity_tol=1e-3, vllm_args={"max_model_len": 128},
+            ),
+        )  # fmt: skip
+        return module, prompts
     if stage == "ppo_lora":  # adapters on the policy and the critic; the reference is the policy's base
         module = PPOModule(
             policy, reward=length_reward, optim=optim, critic_optim=optim, lora=LoRA(rank=4),
@@ -163,7 +173,7 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
         if strategy_name == "single":  # the starting weights, to tell how far training moved them
             torch.save({f"{name}.{k}": v.clone() for name, model in _trained(module).items()
                         for k, v in getattr(model, "hf_model", model).state_dict().items()}, out / stage / "init.pt")  # fmt: skip
-        online = stage in ("ppo", "grpo")
+        online = stage in ("ppo", "grpo", "ppo_vllm")
         trainer = L.Trainer(
             accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
@@ -179,8 +189,10 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
         if trainer.global_rank == 0:
             torch.save(weights, out / stage / "weights.pt")
         state: dict = {}
-        if stage == "ppo":
+        if stage in ("ppo", "ppo_vllm"):
             state = {"kl_coef": module.kl_ctl.value, "moments": module.reward_moments.state_dict()}
+            state["weight_pushes"] = getattr(module.rollout.engine, "weight_pushes", None)
+            state["engine_here"] = getattr(module.rollout.engine, "llm", None) is not None
             state["history"] = [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/"))}
                                 for h in module.history]  # fmt: skip
         if stage == "ppo_sharded":

@@ -8,7 +8,9 @@ from alignlit.cli import AlignCLI
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 PRESETS = sorted(CONFIG_DIR.joinpath("strategies").glob("*.yaml"))  # fragments stacked on a stage config
-CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - set(PRESETS))
+CONFIGS = sorted(
+    set(CONFIG_DIR.rglob("*.yaml")) - set(PRESETS) - set(CONFIG_DIR.joinpath("lora").glob("*.yaml"))
+)
 
 
 class ParseOnly(AlignCLI):
@@ -39,3 +41,19 @@ def test_strategy_preset_stacks_on_a_stage(preset):
     )
     assert cli.config.trainer.devices in (2, 4)
     assert cli.config.model.class_path == "alignlit.modules.SFTModule"
+
+
+LORA_PRESETS = sorted(CONFIG_DIR.joinpath("lora").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", LORA_PRESETS, ids=lambda p: p.name)
+def test_lora_preset_stacks_on_its_quickstart_stage(preset):
+    """configs/lora/<stage>.yaml on configs/quickstart/<stage>.yaml: the stage keeps its class and data,
+    gains the adapter, and writes its export and logs under names of its own."""
+    cli = ParseOnly(
+        args=["--config", str(CONFIG_DIR / "quickstart" / preset.name), "--config", str(preset)], run=False
+    )
+    args = cli.config.model.init_args
+    assert args.lora.rank == 16 and args.export_dir == f"out/quickstart/{preset.stem}-lora"
+    assert cli.config.trainer.logger.init_args.name == f"{preset.stem}-lora"
+    assert args.policy == "out/quickstart/sft"

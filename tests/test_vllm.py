@@ -196,3 +196,43 @@ def test_raw_logprobs_mode_reports_untruncated_logprobs_for_top_k_top_p(policy, 
     assert check_parity(policy, r, temperature=1.0, tol=1e-4, max_samples=len(r))["max_abs_diff"] < 1e-4
     with pytest.raises(ValueError, match="temperature"):
         raw.generate(PROMPTS, 1, SamplingParams(temperature=0.7))
+
+
+def test_ppo_with_vllm_under_two_processes_matches_one_process(tmp_path, tokenizer):
+    """PPO with ``engine: vllm`` under 2-process DDP: rank 0 hosts the one vLLM engine and serves both
+    ranks' prompts (gathered, generated, scattered back; weights pushed once per rollout), the parity
+    check runs on every rank's share (``parity_every=1``), and the trained weights, the KL coefficient
+    and the reward moments equal a one-process run with its own vLLM engine on the same global batch."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import multiproc_fit
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "work"
+    vllm_tiny = {**TINY, "num_heads": 2, "head_dim": 64}  # vLLM on CPU needs head_dim 64
+    multiproc_fit.write_inputs(
+        work, tokenizer, lambda seed: make_tiny_llama(tokenizer, seed=seed, **vllm_tiny)
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    for strategy in ("single", "ddp"):
+        res = subprocess.run(
+            [sys.executable, multiproc_fit.__file__, str(work), strategy, str(tmp_path / strategy), "ppo_vllm"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-6000:]
+    one = torch.load(tmp_path / "single" / "ppo_vllm" / "weights.pt", weights_only=True)
+    many = torch.load(tmp_path / "ddp" / "ppo_vllm" / "weights.pt", weights_only=True)
+    assert one.keys() == many.keys()
+    worst = max((many[k] - one[k]).abs().max().item() for k in one)
+    assert worst <= 2e-3, f"max weight difference {worst:.2e}"
+    expected = json.loads((tmp_path / "single" / "ppo_vllm" / "rank-0.json").read_text())
+    ranks = [json.loads((tmp_path / "ddp" / "ppo_vllm" / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["engine_here"] for r in ranks] == [True, False]  # one engine, on rank 0
+    assert ranks[0]["weight_pushes"] == expected["weight_pushes"] == multiproc_fit.ROLLOUTS
+    for state in ranks:
+        assert state["kl_coef"] == pytest.approx(expected["kl_coef"], rel=1e-6)
+        assert state["moments"]["count"] == expected["moments"]["count"] == 2 * multiproc_fit.GLOBAL_BATCH
+        assert state["moments"]["mean"] == pytest.approx(expected["moments"]["mean"], rel=1e-5)

@@ -153,11 +153,22 @@ class VLLMEngine:
         self.weight_pushes = 0
         """Number of times weights were actually loaded into the engine."""
         self.llm = None
+        self.engine_process = False
+        """True when vLLM's engine core runs in a process of its own (under a trainer's process group):
+        weights then reach it through a safetensors file, not as tensors in the RPC call."""
         self._seeds = random.Random(seed)
         if _rank() != 0:
             return
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Under the trainer's process group an in-process engine would build vLLM's own groups on
+            # it (new_group is a collective the other ranks never join: a hang). The engine core runs
+            # in a spawned process of its own instead (a forked one would inherit the group).
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            self.engine_process = True
+        else:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         vllm = _import_vllm()
@@ -320,16 +331,41 @@ class VLLMEngine:
         if _rank() != 0:
             return
         llm = self._require_llm()
-        llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True},
-        )
+        if self.engine_process:
+            self._reload_through_file(llm, state)
+        else:
+            llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True},
+            )
         if llm.reset_prefix_cache() is False:
             raise RuntimeError(
                 "sync: vLLM could not reset its prefix cache after loading new weights; cached KV "
                 "blocks of the old weights would be reused"
             )
         self.weight_pushes += 1
+
+    @staticmethod
+    def _reload_through_file(llm, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state`` into an engine core in another process: vLLM's RPC does not carry tensors in
+        a list of (name, tensor), so the weights go through a safetensors file in a temporary folder
+        of our own (``/dev/shm`` when there is one), removed once loaded."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        shm = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="alignlit-vllm-sync-", dir=shm if shm.is_dir() else None))
+        try:
+            # tied weights share storage, which safetensors refuses: every tensor is written on its own
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()},
+                      str(folder / "model.safetensors"))  # fmt: skip
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True}
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def take_prompts(rollout: Rollout, prompt_rows: Sequence[int]) -> Rollout:
@@ -401,7 +437,8 @@ class RankZeroServedEngine:
             groups = sorted(by_group)
             sizes = {len(by_group[g]) for g in groups}
             if len(sizes) == 1:  # as dealt by the data sampler: row i of group r is global row i*W + r
-                rows = {g: [i * len(groups) + j for i in range(sizes.pop())] for j, g in enumerate(groups)}
+                size = sizes.pop()
+                rows = {g: [i * len(groups) + j for i in range(size)] for j, g in enumerate(groups)}
             else:
                 offsets = [0]
                 for g in groups:
