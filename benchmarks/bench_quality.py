@@ -599,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="seeds of the reported runs")
     p.add_argument("--grid-limit", type=int, default=None, help="use only the first N settings of each grid")
+    p.add_argument(
+        "--no-grid",
+        action="store_true",
+        help="no selection: every method runs its config's own setting (reported as 'default')",
+    )
     p.add_argument("--val-prompts", type=int, default=200, help="prompts_val prompts for the selection")
     p.add_argument("--test-prompts", type=int, default=500, help="prompts_test prompts for the report")
     p.add_argument(
@@ -630,6 +635,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.results or (Path(args.work) / "results" if args.tiny else ROOT / "benchmarks" / "results")
     )
     methods = [m for m in METHODS if m.name in args.methods]
+    if args.no_grid:
+        GRIDS.clear()
     bench = Bench(args, methods)
     the_plan = plan(methods, bench.configs, args.seeds, args.grid_limit)
     cells: list[Cell] = the_plan["cells"]
@@ -697,12 +704,15 @@ def main(argv: list[str] | None = None) -> dict:
     results = args.results
     results.mkdir(parents=True, exist_ok=True)
     md = format_table(table)
+    chosen = (
+        "every method at its config's own setting (--no-grid: no selection run)"
+        if args.no_grid
+        else f"settings chosen on {args.val_prompts} prompts_val prompts"
+    )
+    command = " ".join(["python benchmarks/bench_quality.py", *(sys.argv[1:] if argv is None else argv)])
     note = (
-        f"\n{args.test_prompts} prompts_test prompts, T = 1; mean ± std over seeds {args.seeds}; settings chosen "
-        f"on {args.val_prompts} prompts_val prompts; configs {Path(args.configs).name}; "
-        f"{time.strftime('%Y-%m-%d')}; `python benchmarks/bench_quality.py"
-        + (" --tiny" if args.tiny else "")
-        + "`"
+        f"\n{args.test_prompts} prompts_test prompts, T = 1; mean ± std over seeds {args.seeds}; {chosen}; "
+        f"configs {Path(args.configs).name}; {time.strftime('%Y-%m-%d')}; `{command}`"
     )
     print("\n" + md + note)
     (results / "quality.md").write_text(md + "\n" + note + "\n")
@@ -717,6 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "val_prompts": args.val_prompts,
                     "test_prompts": args.test_prompts,
                     "tiny": args.tiny,
+                    "selection": not args.no_grid,
                     "date": time.strftime("%Y-%m-%d"),
                     "shared_stage_s": shared_times,
                 },
