@@ -2,9 +2,10 @@
 
 from alignlit.models.lora import LoRA
 from alignlit.modules.base import AlignModule, Optim
+from alignlit.modules.online import KLPenalty, OnlineModule, PtxMix
 from alignlit.modules.sft import SFTModule
 
-__all__ = ["AlignModule", "LoRA", "Optim", "SFTModule"]
+__all__ = ["AlignModule", "KLPenalty", "LoRA", "OnlineModule", "Optim", "PtxMix", "SFTModule"]
 
 from alignlit.modules.ppo import PPOModule
 
