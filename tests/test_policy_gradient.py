@@ -467,6 +467,72 @@ def test_overlong(tiny_policy_dir, mode):
     torch.testing.assert_close(batch.advantages, expected, atol=1e-5, rtol=0)
 
 
+# ---------------------------------------------------------------------- several ranks
+def test_several_ranks_keep_rows_without_a_loss_token(tiny_policy_dir):
+    """Under 2 ranks (a DDP trainer attached, no process group) the overlong-filtered responses stay in the
+    batch, masked out, so every rank runs as many minibatch updates; the others get the advantages of one
+    process. A minibatch holding only such rows gives a zero loss whose backward reaches every policy weight
+    with a zero gradient (DDP's all-reduce and FSDP2's reduce-scatter need every rank's backward)."""
+    module = make_module(
+        tiny_policy_dir, max_new_tokens=3, advantage="dr_grpo", overlong=Overlong(mode="filter", buffer=2)
+    )
+    exp = collect(module, PROMPTS[:4], HAND_REWARDS)
+    cut_to(exp.rollout, [3, 1, 2, 3] * 4, limit=3)
+    one, _ = module.make_batch(exp.rollout, exp.rewards)
+    module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert module.trainer.world_size == 2
+    many, _ = module.make_batch(exp.rollout, exp.rewards)
+    stopped = torch.tensor([1, 2, 5, 6, 9, 10, 13, 14])
+    assert len(one) == 8 and len(many) == 16
+    assert int(many.mask.sum(-1)[stopped].sum()) == int(many.mask.sum()) == int(one.mask.sum())
+    torch.testing.assert_close(many.advantages[stopped], one.advantages, rtol=0, atol=0)
+    cut = torch.tensor([0, 3, 4, 7])
+    loss, metrics = module.policy_loss(many.select(cut))
+    assert loss.item() == 0.0 and metrics == {}
+    module.policy.zero_grad(set_to_none=True)
+    loss.backward()
+    trained = [(n, p) for n, p in module.policy.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and p.grad.abs().max() == 0 for _, p in trained)
+
+
+@pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_make_batch_over_two_ranks_equals_one_process(tiny_policy_dir, reference_dir, advantage):
+    """Two modules (threads standing for 2 data-parallel ranks, tests/test_global_stats.py) build the batch of
+    half the groups each: their advantages are those one process builds on the whole rollout, with the batch
+    statistics (REINFORCE++'s whitening, REINFORCE++-baseline's std) of the global batch, not their own."""
+    from alignlit.modules.policy_gradient import select_groups
+    from tests.test_global_stats import ThreadRanks
+
+    def module():
+        return make_module(tiny_policy_dir, n=2, advantage=advantage, reference=str(reference_dir),
+                           kl=KLPenalty(coef=0.2))  # fmt: skip
+
+    one = module()
+    scores = [1.0, -0.5, 0.25, 2.0, 0.0, 0.75, -1.0, 0.5]
+    exp = collect(one, PROMPTS[:4], scores)
+    assert bool(exp.rollout.response_mask.any(-1).all())
+    whole, _ = one.make_batch(exp.rollout, exp.rewards)
+    halves = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    parts = [(select_groups([exp.rollout], [g], one.tokenizer.pad_token_id), exp.rewards.view(4, 2)[g].flatten())
+             for g in halves]  # fmt: skip
+    ranks = [module(), module()]
+
+    def build(rank_part, reduce):
+        rank, (rollout, rewards) = rank_part
+        ranks[rank].all_reduce_sum = reduce
+        ranks[rank].batch_all_reduce = lambda: reduce
+        return ranks[rank].make_batch(rollout, rewards)[0]
+
+    threads = ThreadRanks(2)
+    batches = threads.run(build, list(enumerate(parts)))
+    got = torch.cat([b.advantages for b in batches])  # select_groups keeps the rollout's widths
+    torch.testing.assert_close(got, whole.advantages, rtol=0, atol=1e-5)
+    assert threads.calls[0] == threads.calls[1] == (4 if advantage == "reinforce_pp" else 3)
+    del ranks[0].all_reduce_sum, ranks[0].batch_all_reduce  # rank 0 on its own: its local statistics
+    local = ranks[0].make_batch(*parts[0])[0].advantages
+    assert (local - whole.advantages[: len(local)]).abs().max() > 1e-2
+
+
 # ---------------------------------------------------------------------- fit, resume
 def test_fit_logs_the_monitoring_metrics(tiny_policy_dir, data_dir, tmp_path):
     module = make_module(tiny_policy_dir, optim=Optim(lr=1e-3, min_lr_ratio=1.0), gold=char_reward)

@@ -464,6 +464,14 @@ class OnlineModule(AlignModule):
             torch.distributed.all_reduce(out, group=self.data_parallel_group())
         return out
 
+    def batch_all_reduce(self):
+        """The ``all_reduce`` the ops take to compute statistics over the global batch
+        (:data:`alignlit.ops.stats.AllReduce`): :meth:`all_reduce_sum` when a process group is
+        initialised, else None (one process: the ops' local statistics)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return self.all_reduce_sum
+        return None
+
     def update_kl_controller(self, controller, kl_sum: float, count: int) -> float:
         """Adapt ``controller`` to the mean KL per response over the global batch (``kl_sum`` and ``count``
         summed over the data-parallel ranks), counting the global batch's responses as its steps, so

@@ -6,6 +6,12 @@ more prompts are sampled until the batch is full; advantages come from a pure es
 (:func:`~alignlit.ops.group_advantages` or :func:`~alignlit.ops.reinforce_pp_returns`); then
 ``rollout.epochs`` passes of minibatch updates of :func:`~alignlit.losses.policy_gradient_loss`.
 No critic is built: the policy is the only trained model.
+
+Under several data-parallel ranks each rank samples the groups of its own prompts and the rollout is
+their union, the global batch: statistics over the whole batch (REINFORCE++'s whitening,
+REINFORCE++-baseline's standard deviation) and the adaptive KL controller are taken over it, whether
+a rollout is skipped is decided over every rank, and responses without a loss token stay in (masked),
+so every rank runs as many updates as the others, as PPO does (:class:`~alignlit.modules.ppo.PPOModule`).
 """
 
 from __future__ import annotations
@@ -364,7 +370,11 @@ class PolicyGradientModule(OnlineModule):
     def make_batch(self, rollout: Rollout, rewards: torch.Tensor) -> tuple[PGBatch | None, dict[str, float]]:
         """Old/reference log-probs, TIS weights and advantages of the groups to train on (N responses,
         rewards (N,)); responses without a loss token (empty, or cut with overlong filtering) are then
-        dropped. None when no loss token is left (or fewer than 2 for ``reinforce_pp``)."""
+        dropped. None when no loss token is left (or fewer than 2 for ``reinforce_pp``).
+
+        With several ranks these counts are taken over every rank (all of them skip the rollout or
+        none), the batch statistics of the advantages are those of the global batch, and responses
+        without a loss token stay in, masked out, so that every rank runs as many minibatch updates."""
         ids = tuple(
             t.to(self.device) for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids)
         )
@@ -391,20 +401,24 @@ class PolicyGradientModule(OnlineModule):
         )
         if self.kl is not None:
             metrics.update({"kl/coef": beta, "kl/penalty": float((beta * kl).sum(-1).mean())})
+        all_reduce = self.batch_all_reduce()  # None in one process
         if self.estimator == PER_TOKEN:
-            if int(mask.sum()) < 2:
+            if int(self.all_reduce_sum(mask.sum())) < 2:  # decided over every rank: all update or none
                 return None, metrics
             advantages = reinforce_pp_returns(
-                rewards, kl, mask, kl_coef=beta, gamma=self.hparams.gamma
+                rewards, kl, mask, kl_coef=beta, gamma=self.hparams.gamma, all_reduce=all_reduce
             )  # (N, T)
         else:
             shaped = rewards - beta * kl.sum(-1)  # (N,)
             grouped = group_advantages(
-                shaped.view(-1, rollout.n), estimator=self.estimator, eps=self.hparams.eps
-            )
+                shaped.view(-1, rollout.n), estimator=self.estimator, eps=self.hparams.eps,
+                all_reduce=all_reduce,
+            )  # fmt: skip
             advantages = grouped.flatten()  # (N,)
         token_advantages = advantages[:, None].expand_as(old) if advantages.dim() == 1 else advantages
         keep = mask.any(-1)  # (N,)
+        if int(self.all_reduce_sum(keep.sum())) == 0:  # no loss token on any rank
+            return None, metrics
         if keep.any():
             metrics.update(
                 {
@@ -416,19 +430,27 @@ class PolicyGradientModule(OnlineModule):
                     ),
                 }
             )
-        else:
-            return None, metrics
         batch = PGBatch(*ids, mask, old, ref, advantages, is_weights)
+        if self._trainer is not None and self.trainer.world_size > 1:  # as many minibatch updates per rank
+            return batch, metrics
         rows = keep.nonzero().flatten()
         return (batch.select(rows) if len(rows) < len(batch) else batch), metrics
 
     def policy_loss(self, mb: PGBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """:func:`~alignlit.losses.policy_gradient_loss` of the policy on a minibatch, plus ptx."""
+        """:func:`~alignlit.losses.policy_gradient_loss` of the policy on a minibatch, plus ptx.
+
+        A minibatch without a loss token (with several ranks, whose masked rows stay in) gives a zero
+        policy term that still runs the policy's forward and reaches every weight with a zero gradient,
+        so the rank takes part in the collectives of the update like the others."""
         hp = self.hparams
         scored = response_token_logprobs(
             self.policy, *mb.ids, temperature=self.rollout.sampling.temperature,
             with_entropy=True, entropy_grad=hp.entropy_coef > 0,
         )  # fmt: skip
+        if not mb.mask.any():
+            zero = torch.where(mb.mask, scored.logprobs, torch.zeros_like(scored.logprobs)).sum()
+            metrics: dict[str, torch.Tensor] = {}
+            return self.add_ptx(zero, metrics, what="policy-gradient loss"), metrics
         loss, metrics = policy_gradient_loss(
             scored.logprobs, mb.old_logprobs, mb.advantages, mb.mask,
             clip_low=hp.clip_low, clip_high=hp.clip_high, aggregation=self.aggregate, max_length=self.max_length,
@@ -450,11 +472,8 @@ class PolicyGradientModule(OnlineModule):
             loss, loss_metrics = self.policy_loss(batch.select(rows))
             loss_metrics["grad_norm"] = self.update("policy", loss)
             records.append(loss_metrics)
-        if self.kl_ctl is not None:
-            kl = self.trainer.strategy.reduce(
-                torch.tensor(metrics["kl/ref"], device=self.device), reduce_op="mean"
-            )
-            self.kl_ctl.update(float(kl), len(batch))
+        if self.kl_ctl is not None:  # the mean KL over the global batch, counting its responses
+            self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(rollout), len(rollout))
         metrics.update({f"policy/{k}": v for k, v in _mean_metrics(records).items()})
         return metrics
 

@@ -37,7 +37,6 @@ from alignlit.ops import (
     normalize_scores,
     whiten,
 )
-from alignlit.ops.stats import WHITEN_EPS
 from alignlit.rollout.base import Rollout
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.loop import Experience
@@ -244,20 +243,6 @@ class PPOModule(OnlineModule):
             moments.load_state_dict(part)
             self.reward_moments.merge(moments)
 
-    def _whiten(self, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """:func:`~alignlit.ops.whiten` over the global batch: the masked mean and unbiased variance are
-        summed over the data-parallel ranks (one process: ``whiten`` itself)."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return whiten(advantages, mask)
-        weights = mask.to(advantages.dtype)
-        first = self.all_reduce_sum(torch.stack([(advantages * weights).sum(), weights.sum()]).double())
-        mean = first[0] / first[1]
-        squares = self.all_reduce_sum((((advantages.double() - mean) ** 2) * weights).sum()[None])
-        var = squares[0] / (first[1] - 1)
-        return (
-            (advantages - mean.to(advantages.dtype)) * torch.rsqrt(var + WHITEN_EPS).to(advantages.dtype)
-        ) * weights
-
     @torch.no_grad()
     def make_experience(
         self, rollout: Rollout, scores: torch.Tensor
@@ -308,7 +293,7 @@ class PPOModule(OnlineModule):
         )  # (N, T)
         advantages, returns = gae(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
         if hp.advantage_norm == "batch":
-            advantages = self._whiten(advantages, mask)
+            advantages = whiten(advantages, mask, all_reduce=self.batch_all_reduce())
         if hp.advantage_clip is not None:
             advantages = advantages.clamp(-hp.advantage_clip, hp.advantage_clip) * mask
         batch = PPOBatch(

@@ -23,9 +23,11 @@ from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, sequence
 from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
 from alignlit.ops.rewards import RewardNorm, explained_variance, kl_penalized_rewards, normalize_scores
 from alignlit.ops.stats import (
+    AllReduce,
     RunningMoments,
     check_ndim,
     check_same_shape,
+    global_moments,
     masked_mean,
     masked_sum,
     masked_var,
@@ -36,6 +38,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageEstimator",
+    "AllReduce",
     "FixedKLController",
     "KLKind",
     "RewardNorm",
@@ -46,6 +49,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "gather_logprobs",
+    "global_moments",
     "group_advantages",
     "informative_groups",
     "kl_estimate",

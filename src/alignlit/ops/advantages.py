@@ -6,20 +6,30 @@ shape (B, n), which the policy-gradient loss broadcasts over the sample's tokens
 small pure functions in :data:`ADVANTAGE_ESTIMATORS`, keyed by the name a config uses; research code
 adds one with :func:`register_advantage`. REINFORCE++ with its token-level KL penalty needs per-token
 inputs and is :func:`reinforce_pp_returns`.
+
+Several data-parallel ranks: a group never spans ranks (a rank samples all ``n`` responses of its
+prompts), so the per-group estimators need nothing from the other ranks; statistics over the whole
+batch (REINFORCE++'s whitening, REINFORCE++-baseline's standard deviation) take an optional
+``all_reduce`` (:data:`alignlit.ops.stats.AllReduce`, a sum over the ranks) and are then those of the
+global batch, as one process computes them on it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 
 from alignlit.ops.gae import gae
 from alignlit.ops.rewards import kl_penalized_rewards
-from alignlit.ops.stats import check_ndim, check_same_shape, whiten
+from alignlit.ops.stats import AllReduce, check_ndim, check_same_shape, global_moments, whiten
 
 AdvantageEstimator = Callable[..., torch.Tensor]
-"""``fn(rewards (B, n), *, eps: float) -> advantages (B, n)``; ``rewards`` is finite and floating."""
+"""``fn(rewards (B, n), *, eps: float) -> advantages (B, n)``; ``rewards`` is finite and floating. An
+estimator that takes statistics over the whole batch (not only over each group) also takes
+``all_reduce: AllReduce | None = None`` and, when it is given, takes them over every rank's batch;
+:func:`group_advantages` passes it to the estimators whose signature has it."""
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 """Group advantage estimators by name (the value of ``estimator`` in :func:`group_advantages`)."""
@@ -28,7 +38,8 @@ _PER_TOKEN_ESTIMATORS = {"reinforce_pp": "alignlit.ops.reinforce_pp_returns"}
 
 
 def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator adding ``fn(rewards (B, n), *, eps) -> (B, n)`` to :data:`ADVANTAGE_ESTIMATORS` as ``name``.
+    """Decorator adding ``fn(rewards (B, n), *, eps) -> (B, n)`` to :data:`ADVANTAGE_ESTIMATORS` as ``name``
+    (with an ``all_reduce`` keyword when it uses statistics of the whole batch, see :data:`AdvantageEstimator`).
 
     Raises ``ValueError`` when ``name`` is already registered (a second estimator never silently
     replaces the first).
@@ -79,14 +90,22 @@ def rloo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
 
 
 @register_advantage("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, *, eps: float, all_reduce: AllReduce | None = None
+) -> torch.Tensor:
     """REINFORCE++-baseline (Hu et al. 2025): ``c_ij = r_ij - mean_j r_ij``, ``A_ij = c_ij / (std(c) + ε)``.
 
     The group mean removes the prompt's difficulty; the standard deviation is the population one
-    over all ``B·n`` centred values of the batch, so every group is scaled by the same number.
+    over all ``B·n`` centred values of the batch, so every group is scaled by the same number. With
+    ``all_reduce`` (a sum over the data-parallel ranks) it is over the centred values of every rank
+    (:func:`~alignlit.ops.stats.global_moments`, float64).
     """
     centred = rewards - rewards.mean(dim=1, keepdim=True)  # (B, n)
-    return centred / (centred.std(unbiased=False) + eps)
+    if all_reduce is None:
+        return centred / (centred.std(unbiased=False) + eps)
+    count, _, m2 = global_moments(centred, torch.ones_like(centred, dtype=torch.bool), all_reduce)
+    std = (m2 / count).sqrt().to(centred.dtype)
+    return centred / (std + eps)
 
 
 def _as_float(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -107,8 +126,20 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def _takes_all_reduce(fn: AdvantageEstimator) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+    return "all_reduce" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def group_advantages(
-    rewards: torch.Tensor, *, estimator: str | AdvantageEstimator, eps: float = 1e-6
+    rewards: torch.Tensor,
+    *,
+    estimator: str | AdvantageEstimator,
+    eps: float = 1e-6,
+    all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
     """Per-sample advantages from the rewards of ``n`` samples per prompt (algorithms.md §10).
 
@@ -119,6 +150,10 @@ def group_advantages(
             ``"reinforce_pp_baseline"``, or one added with :func:`register_advantage`), or such a
             function itself.
         eps: ``ε ≥ 0`` added to standard deviations before dividing.
+        all_reduce: with several data-parallel ranks, a sum over them
+            (:data:`~alignlit.ops.stats.AllReduce`), passed on to an estimator that takes statistics
+            of the whole batch (``"reinforce_pp_baseline"``; see :data:`AdvantageEstimator`) so that they
+            are those of the global batch; the per-group estimators do not need it. None: one process.
 
     Returns:
         (B, n) advantages, same dtype as the (float) rewards.
@@ -146,7 +181,10 @@ def group_advantages(
             f"unknown advantage estimator {estimator!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)} "
             "(or register one with alignlit.ops.register_advantage)"
         )
-    advantages = fn(rewards, eps=eps)
+    if all_reduce is not None and _takes_all_reduce(fn):
+        advantages = fn(rewards, eps=eps, all_reduce=all_reduce)
+    else:
+        advantages = fn(rewards, eps=eps)
     if advantages.shape != rewards.shape:
         raise ValueError(
             f"advantage estimator {estimator!r} returned shape {tuple(advantages.shape)}, expected the "
@@ -162,6 +200,7 @@ def reinforce_pp_returns(
     *,
     kl_coef: float,
     gamma: float = 1.0,
+    all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ token advantages (Hu et al. 2025; algorithms.md §10): KL-shaped returns, whitened.
 
@@ -180,6 +219,10 @@ def reinforce_pp_returns(
         mask: (N, T) 1 on response tokens; right-padded. At least 2 valid tokens in the batch.
         kl_coef: ``β ≥ 0``.
         gamma: discount ``γ ∈ [0, 1]``; REINFORCE++ uses 1.
+        all_reduce: with several data-parallel ranks, a sum over them
+            (:data:`~alignlit.ops.stats.AllReduce`): the returns are whitened over the valid tokens of
+            every rank (the global batch), and the 2 valid tokens are counted over all ranks (a rank
+            may hold none). None: one process.
 
     Returns:
         (N, T) advantages, 0 at padding. Call it on detached tensors.
@@ -194,7 +237,7 @@ def reinforce_pp_returns(
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     valid = mask.bool()  # (N, T)
-    if int(valid.sum()) < 2:
+    if all_reduce is None and int(valid.sum()) < 2:
         raise ValueError(
             f"mask has {int(valid.sum())} valid token(s); whitening the returns needs at least 2"
         )
@@ -205,4 +248,4 @@ def reinforce_pp_returns(
     _check_finite("kl (at valid tokens)", kl)
     rewards = kl_penalized_rewards(scores, kl, valid, kl_coef=kl_coef)  # (N, T)
     returns, _ = gae(rewards, torch.zeros_like(rewards), valid, gamma=gamma, lam=1.0)  # (N, T)
-    return whiten(returns, valid)
+    return whiten(returns, valid, all_reduce=all_reduce)

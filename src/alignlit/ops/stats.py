@@ -6,11 +6,16 @@ Tensors are ``(B, T)`` over response tokens unless stated otherwise; ``mask`` is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 WHITEN_EPS = 1e-8
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""``fn(t) -> t`` summed over the data-parallel ranks, as a new tensor (e.g. ``torch.distributed.all_reduce``
+of a copy). Every rank calls it as often, in the same order, with tensors of the same shape and dtype."""
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:
@@ -88,17 +93,49 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True) ->
     return sq_dev / count
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+def global_moments(
+    x: torch.Tensor, mask: torch.Tensor, all_reduce: AllReduce
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(count, mean, M2)`` of the valid elements of ``x`` on every rank, float64 scalars: the count and
+    the sum are summed over the ranks first, then the squared deviations from that global mean (the two
+    passes one process makes over the whole batch). Two calls of ``all_reduce``.
+
+    Raises ``ValueError``, on every rank alike, when no rank holds a valid element.
+    """
+    weights = _as_weights(x, mask)
+    first = all_reduce(torch.stack([(x * weights).sum(), weights.sum()]).double())  # (2,) sum, count
+    count = first[1]
+    if count.item() == 0:
+        raise ValueError("mask has no valid element on any rank (all zeros); cannot average over it")
+    mean = first[0] / count
+    m2 = all_reduce((((x.double() - mean) ** 2) * weights).sum()[None])[0]
+    return count, mean, m2
+
+
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, all_reduce: AllReduce | None = None
+) -> torch.Tensor:
     """Normalise ``x`` to zero mean and unit variance over its valid elements (PPO-max advantage whitening).
 
     ``(x - mean) / sqrt(var + 1e-8)`` with the masked mean and unbiased masked variance over all valid
     elements of the batch. With ``shift_mean=False`` the mean is added back (scale only). Padding
-    positions are returned as 0.
+    positions are returned as 0. With ``all_reduce`` (a sum over the data-parallel ranks) the batch is
+    the global one: the mean and variance are those of the valid elements on every rank
+    (:func:`global_moments`, float64), so each rank whitens its part as one process whitens the whole.
     """
     weights = _as_weights(x, mask)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
-    out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if all_reduce is None:
+        mean = masked_mean(x, mask)
+        var = masked_var(x, mask, unbiased=True)
+        out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    else:
+        count, global_mean, m2 = global_moments(x, mask, all_reduce)
+        if count.item() < 2:
+            raise ValueError(
+                "whiten needs at least 2 valid elements over all ranks (unbiased variance), the masks hold 1"
+            )
+        mean = global_mean.to(weights.dtype)
+        out = (x - mean) * torch.rsqrt(m2 / (count - 1) + WHITEN_EPS).to(weights.dtype)
     if not shift_mean:
         out = out + mean
     return out * weights
