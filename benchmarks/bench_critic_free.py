@@ -1,14 +1,14 @@
 """Critic-free policy gradients vs PPO-max on the simulated task (the issue-13 comparison).
 
-Arms, each a run of a shipped config through ``alignlit fit`` from the quickstart SFT policy:
+Arms, each a run of a shipped config through ``alignlit fit`` from the paper-scale SFT policy:
 
-- ``grpo``: configs/quickstart/grpo.yaml (group-normalised advantages, sequence-mean-token-mean loss,
+- ``grpo``: configs/paper/grpo.yaml (group-normalised advantages, sequence-mean-token-mean loss,
   k3 KL loss term);
 - ``dr_grpo``: grpo.yaml with ``advantage: dr_grpo`` and the constant normaliser
   ``aggregation: seq_mean_token_sum_norm``;
-- ``rloo``: configs/quickstart/rloo.yaml (leave-one-out baseline, KL in the reward, token mean);
+- ``rloo``: configs/paper/rloo.yaml (leave-one-out baseline, KL in the reward, token mean);
 - ``reinforce_pp_baseline``: grpo.yaml with ``advantage: reinforce_pp_baseline``, token mean;
-- ``ppo-max``: configs/quickstart/ppo.yaml (critic, PPO-max + ChatGLM-RLHF).
+- ``ppo-max``: configs/paper/ppo.yaml (critic, PPO-max + ChatGLM-RLHF).
 
 Every arm samples the same number of responses: ``--responses-per-rollout`` per rollout (PPO: that
 many prompts, one response each; the others: ``responses / n`` prompts, ``n`` responses each) for
@@ -24,9 +24,9 @@ several, else over prompts), KL to the SFT policy, length, fit wall time. Prints
 writes ``benchmarks/results/<name>.{md,json,png}``. Finished runs are reused when their overrides
 are unchanged (the JSON next to each run records them), so an interrupted benchmark continues.
 
-Needs data/sim, out/quickstart/sft and out/quickstart/reward; ``--prepare`` creates the missing ones
-with the quickstart commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
-configs/quickstart/sft.yaml``, ``alignlit fit --config configs/quickstart/reward.yaml``).
+Needs data/sim, out/paper/sft and out/paper/reward; ``--prepare`` creates the missing ones
+with the paper-scale commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
+configs/paper/sft.yaml``, ``alignlit fit --config configs/paper/reward.yaml``).
 
     python benchmarks/bench_critic_free.py --prepare                        # full run (see README)
     python benchmarks/bench_critic_free.py --rewards rm --seeds 0 --grid    # one seed, no selection
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "quickstart"
+CONFIGS = ROOT / "configs" / "paper"
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo.yaml", []),
     "dr_grpo": (
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-prompts", type=int, default=200, help="prompts_val prompts scored by the runs")
     p.add_argument("--n-prompts", type=int, default=500, help="prompts_test prompts of the report")
     p.add_argument("--sim", default="data/sim", help="`alignlit sim make-data` directory")
-    p.add_argument("--sft", default="out/quickstart/sft", help="SFT policy: start point and KL reference")
-    p.add_argument("--reward-model", default="out/quickstart/reward", help="the learned reward model")
+    p.add_argument("--sft", default="out/paper/sft", help="SFT policy: start point and KL reference")
+    p.add_argument("--reward-model", default="out/paper/reward", help="the learned reward model")
     p.add_argument("--prepare", action="store_true", help="create missing --sim, --sft, --reward-model")
     p.add_argument("--prepare-steps", type=int, default=None, help="cap SFT/RM training steps (a smoke test)")
     p.add_argument("--out", default="out/bench_critic_free", help="working directory of the runs")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(args) -> None:
-    """The quickstart steps for whichever of --sim, --sft, --reward-model is missing."""
+    """The paper-scale steps (configs/paper) for whichever of --sim, --sft, --reward-model is missing."""
     from alignlit.cli import main as alignlit_main
 
     sim, sft, rm = Path(args.sim), Path(args.sft), Path(args.reward_model)
@@ -107,9 +107,9 @@ def prepare(args) -> None:
     ]
     if missing and not args.prepare:
         raise SystemExit(
-            f"missing {missing}: run `python benchmarks/bench_critic_free.py --prepare` (or the quickstart: "
-            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml`, "
-            "`alignlit fit --config configs/quickstart/reward.yaml`)"
+            f"missing {missing}: run `python benchmarks/bench_critic_free.py --prepare` (or the paper-scale stages: "
+            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/paper/sft.yaml`, "
+            "`alignlit fit --config configs/paper/reward.yaml`)"
         )
     steps = args.prepare_steps
     logs = f"--trainer.logger.init_args.save_dir={Path(args.out) / 'prepare'}"

@@ -1,18 +1,18 @@
 """Online iterative DPO and online RRHF vs their offline counterparts on the simulated task.
 
-Arms, all from the quickstart SFT policy against the quickstart reward model (RM), on the same prompt
+Arms, all from the paper-scale SFT policy against the paper-scale reward model (RM), on the same prompt
 budget: ``--iterations`` x ``--prompts-per-iteration`` training prompts with ``--n`` samples each,
 every sample scored once by the RM (the "preference labels"):
 
-- ``online-dpo``: configs/quickstart/online-dpo.yaml, one iteration per training step (RLHF-Workflow §3);
+- ``online-dpo``: configs/paper/online-dpo.yaml, one iteration per training step (RLHF-Workflow §3);
 - ``online-dpo-lp``: the same with the length penalty ``r - λ|y|`` (tokens), ``λ`` chosen on prompts_val
   from ``--lp-grid``;
-- ``offline-dpo`` / ``offline-dpo-lp``: configs/quickstart/dpo.yaml on best-vs-worst pairs of ``--n``
+- ``offline-dpo`` / ``offline-dpo-lp``: configs/paper/dpo.yaml on best-vs-worst pairs of ``--n``
   samples of the SFT policy for the same prompts (raw / with the chosen ``λ``), as many optimizer steps
   as the online run took;
-- ``online-rrhf``: configs/quickstart/online-rrhf.yaml, ``--rrhf-resamples`` resamples of
+- ``online-rrhf``: configs/paper/online-rrhf.yaml, ``--rrhf-resamples`` resamples of
   ``--rrhf-prompts`` prompts, ``--resample-every`` updates each (RRHF §5);
-- ``offline-rrhf``: configs/quickstart/rrhf.yaml on the same SFT samples, as many steps as online RRHF;
+- ``offline-rrhf``: configs/paper/rrhf.yaml on the same SFT samples, as many steps as online RRHF;
 - ``best-of-n``: the SFT policy's best of ``--n`` samples selected by the RM (no training).
 
 Every policy is evaluated on ``--n-prompts`` prompts of prompts_test with ``--eval-samples`` samples per
@@ -23,9 +23,9 @@ iteration, the curve). ``λ`` is chosen by the last ``val/gold`` each run logs o
 prompts of prompts_val. Prints a Markdown table and writes ``benchmarks/results/<name>.{md,json,png}``;
 finished runs are reused when their command is unchanged, so an interrupted benchmark continues.
 
-Needs data/sim, out/quickstart/sft and out/quickstart/reward; ``--prepare`` creates the missing ones with
-the quickstart commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
-configs/quickstart/sft.yaml``, ``alignlit fit --config configs/quickstart/reward.yaml``).
+Needs data/sim, out/paper/sft and out/paper/reward; ``--prepare`` creates the missing ones with
+the paper-scale commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
+configs/paper/sft.yaml``, ``alignlit fit --config configs/paper/reward.yaml``).
 
     python benchmarks/bench_online.py --prepare                     # the full benchmark
     python benchmarks/bench_online.py --arms online-dpo offline-dpo --lp-grid
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "quickstart"
+CONFIGS = ROOT / "configs" / "paper"
 ARMS = (
     "online-dpo",
     "online-dpo-lp",
@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompts", type=int, default=500, help="prompts_test prompts of the report")
     p.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt (default: 4)")
     p.add_argument("--sim", default="data/sim", help="`alignlit sim make-data` directory")
-    p.add_argument("--sft", default="out/quickstart/sft", help="SFT policy: start point and KL reference")
-    p.add_argument("--reward-model", default="out/quickstart/reward", help="the reward model")
+    p.add_argument("--sft", default="out/paper/sft", help="SFT policy: start point and KL reference")
+    p.add_argument("--reward-model", default="out/paper/reward", help="the reward model")
     p.add_argument("--prepare", action="store_true", help="create missing --sim, --sft, --reward-model")
     p.add_argument("--prepare-steps", type=int, default=None, help="cap SFT/RM training steps (a smoke test)")
     p.add_argument("--out", default="out/bench_online", help="working directory of the runs")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(args) -> None:
-    """The quickstart steps for whichever of --sim, --sft, --reward-model is missing."""
+    """The paper-scale steps (configs/paper) for whichever of --sim, --sft, --reward-model is missing."""
     from alignlit.cli import main as alignlit_main
 
     sim, sft, rm = Path(args.sim), Path(args.sft), Path(args.reward_model)
@@ -100,9 +100,9 @@ def prepare(args) -> None:
     ]
     if missing and not args.prepare:
         raise SystemExit(
-            f"missing {missing}: run `python benchmarks/bench_online.py --prepare` (or the quickstart: "
-            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml`, "
-            "`alignlit fit --config configs/quickstart/reward.yaml`)"
+            f"missing {missing}: run `python benchmarks/bench_online.py --prepare` (or the paper-scale stages: "
+            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/paper/sft.yaml`, "
+            "`alignlit fit --config configs/paper/reward.yaml`)"
         )
     steps, logs = args.prepare_steps, f"--trainer.logger.init_args.save_dir={Path(args.out) / 'prepare'}"
     if not (sim / "manifest.json").exists():
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     (results / f"{args.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
     if curves:
         plot_curves(
-            curves, results / f"{args.name}.png", panels=PANELS, title="online vs offline (quickstart)"
+            curves, results / f"{args.name}.png", panels=PANELS, title="online vs offline (paper scale)"
         )
     print(f"wrote {results / args.name}.md, .json" + (" and .png" if curves else ""))
     return rows

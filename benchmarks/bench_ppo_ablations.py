@@ -1,11 +1,11 @@
-"""PPO ablations on the simulated task, at quickstart scale (the PPO-max and ChatGLM-RLHF comparisons).
+"""PPO ablations on the simulated task, at paper scale (configs/paper) (the PPO-max and ChatGLM-RLHF comparisons).
 
 Arms, each a run of the shipped config through ``alignlit fit`` with the overrides below, from the
-quickstart SFT policy against the same reward model:
+paper-scale SFT policy against the same reward model:
 
-- ``ppo-max``: configs/quickstart/ppo.yaml (reward normalisation + clipping, token KL penalty, value
+- ``ppo-max``: configs/paper/ppo.yaml (reward normalisation + clipping, token KL penalty, value
   clipping, critic pre-training, reference-baseline reward, SFT loss);
-- ``vanilla``: configs/quickstart/ppo-vanilla.yaml (none of those);
+- ``vanilla``: configs/paper/ppo-vanilla.yaml (none of those);
 - ``no-ref-baseline``: ppo-max without the reference-baseline reward (ChatGLM eq. 5);
 - ``no-sft-loss``: ppo-max without the SFT loss (ChatGLM eq. 6).
 
@@ -16,7 +16,7 @@ training curves: the largest KL(π‖π0) and response length seen during traini
 table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the arms' training curves
 in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
-    python benchmarks/bench_ppo_ablations.py                         # RM: out/quickstart/reward
+    python benchmarks/bench_ppo_ablations.py                         # RM: out/paper/reward
     python benchmarks/bench_ppo_ablations.py --reward-model gold --name ppo_ablations_gold  # oracle RM
     python benchmarks/bench_ppo_ablations.py --arms ppo-max vanilla --rollouts 40
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "quickstart"
+CONFIGS = ROOT / "configs" / "paper"
 ARMS: dict[str, tuple[str, list[str]]] = {
     "ppo-max": ("ppo.yaml", []),
     "vanilla": ("ppo-vanilla.yaml", []),
@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="arms to run")
     p.add_argument("--sim", default="data/sim", help="`alignlit sim make-data` directory")
-    p.add_argument("--sft", default="out/quickstart/sft", help="SFT policy: start point and KL reference")
+    p.add_argument("--sft", default="out/paper/sft", help="SFT policy: start point and KL reference")
     p.add_argument(
         "--reward-model",
-        default="out/quickstart/reward",
+        default="out/paper/reward",
         help="reward-model directory, or 'gold' to train on the simulated gold reward (oracle)",
     )
     p.add_argument("--rollouts", type=int, default=100, help="rollouts per arm (default: 100)")
@@ -103,7 +103,7 @@ def run_arm(name: str, args) -> dict:
 @torch.no_grad()
 def sft_val_nll(policy, tokenizer, sim: str) -> float:
     """Token-mean NLL of the policy on the SFT validation demonstrations (capability retention),
-    encoded as the quickstart SFT stage encodes them (48 tokens, prompts up to 24)."""
+    encoded as the SFT stage encodes them (48 tokens, prompts up to 24)."""
     from alignlit.data import Truncation, collate_lm, parse_prompt_response, read_records
     from alignlit.losses import masked_nll, shift_for_next_token
 
