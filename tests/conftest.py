@@ -14,6 +14,16 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 SYMBOLS = "abcdefgh"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason in the summary, when no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def dialogue_texts(n: int = 400) -> list[str]:
     """Small HH-style corpus for training a test tokenizer."""
     out = []

@@ -4,11 +4,14 @@ running this file again, or ``torchrun`` starts both), and in-process with one d
 
 ``python tests/multiproc_fit.py WORK STRATEGY OUT STAGE [STAGE ...]`` with ``STRATEGY`` one of
 ``single`` (1 process), ``ddp`` (2-process DDP), ``tp`` (``ModelParallelStrategy``, 2-way tensor
-parallel), ``fsdp`` (``ModelParallelStrategy``, FSDP2 over 2 data-parallel ranks). ``WORK`` holds what
-:func:`write_inputs` writes. Every stage trains on the same *global* batch whatever the strategy
-(``GLOBAL_BATCH`` split over the data-parallel ranks) and writes, from rank 0, the full weights of the
-models it trains to ``OUT/<stage>/weights.pt`` and, from every rank, ``OUT/<stage>/rank-<r>.json``
-(PPO: the KL coefficient and the running reward moments that rank holds).
+parallel), ``fsdp`` (``ModelParallelStrategy``, FSDP2 over 2 data-parallel ranks), or ``cuda``
+(``ModelParallelStrategy`` over the GPUs, at most 2, FSDP2 when there are 2, ``bf16-mixed``; run by
+tests/test_gpu.py). ``WORK`` holds what :func:`write_inputs` writes. Every stage trains on the same
+*global* batch whatever the strategy (``GLOBAL_BATCH`` split over the data-parallel ranks) and writes,
+from rank 0, the full weights of the models it trains to ``OUT/<stage>/weights.pt`` and, from every
+rank, ``OUT/<stage>/rank-<r>.json`` (PPO: the KL coefficient and the running reward moments that rank
+holds; REINFORCE++ with an adaptive KL: the KL coefficient; the offline stages: the training losses).
+Under ``cuda`` each stage also exports its result to ``OUT/<stage>/export``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-STAGES = ("reward", "pairpref", "dpo", "rrhf", "ppo", "ppo_sharded", "grpo", "dpo_lora", "ppo_lora")
+STAGES = (
+    "reward", "pairpref", "dpo", "rrhf", "ppo", "ppo_sharded", "grpo", "reinforce_pp_kl", "dpo_lora", "ppo_lora",
+)  # fmt: skip
+ONLINE = ("ppo", "grpo", "reinforce_pp_kl", "ppo_vllm")
+"""Stages whose run length is counted in rollouts (``ROLLOUTS``) rather than optimizer steps."""
 GLOBAL_BATCH = 4
 STEPS = 3
 ROLLOUTS = 2
@@ -55,6 +62,10 @@ def write_inputs(work: Path, tokenizer, make_policy) -> None:
                 json.dumps({"prompt": _prompt(i), "responses": responses, "scores": [1.0, 0.5, -1.0, 0.0]})
                 + "\n"
             )
+    with open(work / "sft.jsonl", "w") as f:
+        for i in range(GLOBAL_BATCH * STEPS):
+            words = _prompt(i).split("Human: ")[1].split("\n")[0].split()[1:]
+            f.write(json.dumps({"prompt": _prompt(i), "response": " " + " ".join(sorted(words))}) + "\n")
     with open(work / "prompts.jsonl", "w") as f:
         for i in range(GLOBAL_BATCH * ROLLOUTS):
             f.write(json.dumps({"prompt": _prompt(i)}) + "\n")
@@ -65,17 +76,32 @@ def length_reward(prompts, responses):
     return [r.count("a") - 0.1 * len(r) for r in responses]
 
 
-def _strategy(name: str, stage: str):
+def _strategy(name: str, stage: str) -> tuple[dict, int]:
+    """The Trainer arguments of strategy ``name`` for ``stage`` and its number of data-parallel ranks."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    cpu = {"accelerator": "cpu"}
     if name == "single":
-        return "auto", 1, 1
+        return {**cpu, "strategy": "auto", "devices": 1}, 1
     if name == "ddp":  # PPO's critic and actor updates each leave the other model's parameters unused
-        return ("ddp_find_unused_parameters_true" if stage.startswith("ppo") else "ddp"), 2, 2
+        strategy = "ddp_find_unused_parameters_true" if stage.startswith("ppo") else "ddp"
+        return {**cpu, "strategy": strategy, "devices": 2}, 2
     if name == "tp":
-        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, 1
+        return {
+            **cpu,
+            "strategy": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+            "devices": 2,
+        }, 1
     if name == "fsdp":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), 2, 2
+        return {
+            **cpu,
+            "strategy": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            "devices": 2,
+        }, 2
+    if name == "cuda":  # one GPU: a 1 x 1 mesh, nothing to shard; two: FSDP2 over 2 data-parallel ranks
+        gpus = min(2, torch.cuda.device_count())
+        strategy = ModelParallelStrategy(data_parallel_size=gpus, tensor_parallel_size=1)
+        return {"accelerator": "gpu", "devices": gpus, "precision": "bf16-mixed", "strategy": strategy}, gpus
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -97,6 +123,13 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
     policy = str(work / "policy")
     optim = Optim(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)
     pairs = dict(val_fraction=0.0, max_length=32, max_prompt_length=16, batch_size=per_rank, seed=0)
+    if stage == "sft":
+        from alignlit.data import SFTDataModule
+        from alignlit.modules import SFTModule
+
+        data = SFTDataModule(str(work / "sft.jsonl"), val_fraction=0.0, max_length=32, max_prompt_length=16,
+                             batch_size=per_rank, seed=0)  # fmt: skip
+        return SFTModule(policy, optim=optim), data
     if stage == "reward":
         return RewardModule(policy, optim=optim, histogram=False), PreferenceDataModule(
             str(work / "pairs.jsonl"), **pairs
@@ -152,7 +185,26 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
             rollout=RolloutLoop(sampling=greedy, samples_per_prompt=2, minibatch_size=64),
         )  # fmt: skip
         return module, prompts
+    if stage == "reinforce_pp_kl":  # whitening over the global batch, KL coefficient over its responses
+        module = PolicyGradientModule(
+            policy, reward=length_reward, advantage="reinforce_pp", optim=optim, reference=str(work / "reference"),
+            kl=KLPenalty(coef=0.2, target=0.01, horizon=4), aggregation="seq_mean_token_sum_norm",
+            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=1, minibatch_size=64, epochs=2),
+        )  # fmt: skip
+        return module, prompts
     raise ValueError(f"unknown stage {stage!r}")
+
+
+class _Losses(L.Callback):
+    """The training loss of every step (offline stages)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:  # an online stage's step (a rollout) returns nothing
+            self.losses.append(float(loss))
 
 
 def _trained(module) -> dict[str, torch.nn.Module]:
@@ -166,16 +218,19 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
 
     work, out = Path(work), Path(out)
     for stage in stages:
-        strategy, devices, data_parallel = _strategy(strategy_name, stage)
+        hardware, data_parallel = _strategy(strategy_name, stage)
         L.seed_everything(0)
         module, data = _module_and_data(stage, work, GLOBAL_BATCH // data_parallel)
+        if strategy_name == "cuda":
+            module.export_dir = str(out / stage / "export")
         (out / stage).mkdir(parents=True, exist_ok=True)
         if strategy_name == "single":  # the starting weights, to tell how far training moved them
             torch.save({f"{name}.{k}": v.clone() for name, model in _trained(module).items()
                         for k, v in getattr(model, "hf_model", model).state_dict().items()}, out / stage / "init.pt")  # fmt: skip
-        online = stage in ("ppo", "grpo", "ppo_vllm")
+        online = stage in ONLINE
+        losses = _Losses()
         trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+            **hardware, logger=False, enable_checkpointing=False, callbacks=[] if online else [losses],
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
             use_distributed_sampler=False, default_root_dir=str(out / stage),
             **({"max_epochs": 1, "limit_train_batches": ROLLOUTS} if online else {"max_steps": STEPS}),
@@ -188,7 +243,9 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
         }  # a collective when sharded
         if trainer.global_rank == 0:
             torch.save(weights, out / stage / "weights.pt")
-        state: dict = {}
+        state: dict = {} if online else {"losses": losses.losses}
+        if stage == "reinforce_pp_kl":
+            state = {"kl_coef": module.kl_ctl.value}
         if stage in ("ppo", "ppo_vllm"):
             state = {"kl_coef": module.kl_ctl.value, "moments": module.reward_moments.state_dict()}
             state["weight_pushes"] = getattr(module.rollout.engine, "weight_pushes", None)

@@ -146,9 +146,9 @@ def launch_multiproc(root: Path, strategy: str, out: Path) -> None:
 def assert_matches_one_process(root: Path, out: Path, ranks: int = 2) -> None:
     """Each stage's trained weights match the one-process run on the same global batches: the update of
     every model differs by at most 1e-3 of its size (Frobenius norm over all weights) and every weight by
-    at most 2e-3, where 3 AdamW steps at lr 1e-2 (PPO/GRPO: 2 rollouts) move weights by >= 2e-2; PPO's
-    adaptive KL coefficient and running reward moments are identical on every rank and equal the
-    one-process values over the global batch."""
+    at most 2e-3, where 3 AdamW steps at lr 1e-2 (PPO/GRPO/REINFORCE++: 2 rollouts) move weights by >= 2e-2;
+    PPO's adaptive KL coefficient and running reward moments, and REINFORCE++'s adaptive KL coefficient,
+    are identical on every rank and equal the one-process values over the global batch."""
     single = root / "single"
     for stage in multiproc_fit.STAGES:
         one, many, init = (torch.load(d / stage / f, weights_only=True)
@@ -174,6 +174,11 @@ def assert_matches_one_process(root: Path, out: Path, ranks: int = 2) -> None:
         assert state["moments"]["mean"] == pytest.approx(expected["moments"]["mean"], rel=1e-6)
         assert state["moments"]["m2"] == pytest.approx(expected["moments"]["m2"], rel=1e-5)
     assert expected["kl_coef"] != 0.2  # the controller moved (initial β 0.2)
+    expected = json.loads((single / "reinforce_pp_kl" / "rank-0.json").read_text())["kl_coef"]
+    for rank in range(ranks):  # the mean KL of the global batch, counting its responses
+        state = json.loads((out / "reinforce_pp_kl" / f"rank-{rank}.json").read_text())
+        assert state["kl_coef"] == pytest.approx(expected, rel=1e-9), f"rank {rank}"
+    assert expected != 0.2
     sharded = json.loads((out / "ppo_sharded" / "rank-0.json").read_text())["sharded"]
     assert sharded == [out.name != "ddp"] * 2  # shard_frozen: reference and reward model are DTensors
 
@@ -182,7 +187,7 @@ def assert_matches_one_process(root: Path, out: Path, ranks: int = 2) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "tp", "fsdp"])
 def test_every_stage_under_two_processes_matches_one_process(multiproc_runs, tmp_path, strategy):
     """Reward, pairwise preference, DPO, RRHF, PPO (also with its frozen reference and reward model
-    sharded), GRPO, LoRA DPO and LoRA PPO under 2-process DDP, 2-way tensor parallel and FSDP2 over 2
+    sharded), GRPO, REINFORCE++ with an adaptive KL coefficient, LoRA DPO and LoRA PPO under 2-process DDP, 2-way tensor parallel and FSDP2 over 2
     data-parallel ranks (``ModelParallelStrategy``, gloo) train the weights one process trains on the
     same global batches (see :func:`assert_matches_one_process` for the tolerances); one launch per
     strategy runs every stage."""
