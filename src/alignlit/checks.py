@@ -63,3 +63,18 @@ def import_object(path: str):
         return getattr(module, attr)
     except AttributeError as e:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from e
+
+
+def resolve_registered(name: str, registry: dict, what: str):
+    """``name`` when it is a key of ``registry``, else the function at the dotted path ``name``
+    (importing it may register it too); ``ValueError`` naming ``what`` otherwise."""
+    if name in registry:
+        return name
+    if "." in name:
+        try:
+            fn = import_object(name)
+        except ImportError as e:
+            raise ValueError(f"{what} {name!r} is neither registered nor importable ({e})") from e
+        if callable(fn):
+            return fn
+    raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)} or a dotted function path")

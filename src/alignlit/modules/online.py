@@ -12,7 +12,8 @@ the ptx (SFT-loss) mixer and ``val/sft_nll``; validation sampling (``val/reward`
 ``val/kl``, ``val/length``); per-rollout warmup + cosine LR schedules; gradient-norm clipping; the
 phase shown in the progress bar; the curves PNG/JSON; checkpoints that leave the frozen models out
 and keep every piece of online state (loop counters and RNGs, ptx loader position, history) for an
-exact resume.
+exact resume. The parts that are not the loop (the KL and ptx settings, the ptx mixer, the phase
+display, the statistics over several ranks) are in :mod:`alignlit.modules.online_parts`.
 """
 
 from __future__ import annotations
@@ -22,133 +23,35 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 from alignlit.data.sampler import data_parallel_rank
 from alignlit.data.sft import SFTDataModule
-from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.models.forward import disable_dropout, eval_mode, response_logprobs
 from alignlit.models.loading import DTYPES, check_dtype, load_policy
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
-from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
+from alignlit.modules.online_parts import (
+    DataParallelStats,
+    KLPenalty,
+    PhaseDisplay,
+    PtxMix,
+    PtxMixer,
+    TrainedModel,
+)
 from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.loop import Experience, RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
 from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
 
-
-@dataclasses.dataclass(frozen=True)
-class KLPenalty:
-    """The KL(π‖π_0) control of an online stage (algorithms.md §4).
-
-    Args:
-        coef: ``β`` (the initial value when adaptive).
-        estimator: per-token estimator ``"k1"``, ``"k2"`` or ``"k3"``.
-        target: adapt ``β`` towards this KL per response in nats (Ziegler et al. 2019); None keeps
-            ``β`` fixed.
-        horizon: horizon of the adaptive controller, in samples.
-    """
-
-    coef: float = 0.05
-    estimator: KLKind = "k1"
-    target: float | None = None
-    horizon: int = 10000
-
-    def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ValueError(f"kl.coef must be >= 0, got {self.coef}")
-        if self.estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl.estimator must be 'k1', 'k2' or 'k3', got {self.estimator!r}")
-        if self.target is not None and self.target <= 0:
-            raise ValueError(f"kl.target must be > 0 or None, got {self.target}")
-        if self.horizon < 1:
-            raise ValueError(f"kl.horizon must be >= 1, got {self.horizon}")
-
-    def controller(self) -> FixedKLController | AdaptiveKLController:
-        """A fresh controller of ``β``."""
-        if self.target is None:
-            return FixedKLController(self.coef)
-        return AdaptiveKLController(self.coef, self.target, self.horizon)
+__all__ = ["KLPenalty", "OnlineModule", "PhaseDisplay", "PtxMix", "TrainedModel"]
 
 
-@dataclasses.dataclass(frozen=True)
-class PtxMix:
-    """Human (prompt, response) data whose SFT loss is mixed into every policy update (ChatGLM eq. 6,
-    InstructGPT PPO-ptx). Its validation set gives ``val/sft_nll`` (capability retention), also
-    when ``coef`` is 0. Read and encoded as :class:`~alignlit.data.SFTDataModule` does.
-
-    Args:
-        file: human (prompt, response) records.
-        val_file: validation records for ``val/sft_nll`` (default: 5% of ``file``).
-        coef: weight of the token-mean SFT NLL in every policy loss.
-        batch_size: SFT examples per policy update.
-        max_length: longest SFT prompt + response in tokens.
-        max_prompt_length: SFT prompts are left-truncated to this many tokens.
-    """
-
-    file: str
-    val_file: str | None = None
-    coef: float = 0.0
-    batch_size: int = 16
-    max_length: int = 256
-    max_prompt_length: int = 128
-
-    def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ValueError(f"ptx.coef must be >= 0, got {self.coef}")
-
-
-torch.serialization.add_safe_globals([KLPenalty, PtxMix])
-
-
-class PhaseDisplay(L.Callback):
-    """Shows the phase of an online step (``rollout``, ``train``) in the progress bar's description.
-
-    Installed by :class:`OnlineModule` (``configure_callbacks``); uses only the progress bars'
-    public attributes, and does nothing without a progress bar.
-    """
-
-    def show(self, trainer: L.Trainer, phase: str) -> None:
-        bar: ProgressBar | None = trainer.progress_bar_callback
-        if bar is None or not bar.is_enabled:
-            return
-        description = f"Epoch {trainer.current_epoch} [{phase}]"
-        if isinstance(bar, TQDMProgressBar) and bar.train_progress_bar is not None:
-            bar.train_progress_bar.set_description(description, refresh=True)
-        elif (
-            isinstance(bar, RichProgressBar)
-            and bar.progress is not None
-            and bar.train_progress_bar_id is not None
-        ):
-            bar.progress.update(bar.train_progress_bar_id, description=description)
-            bar.refresh()
-
-
-class TrainedModel(NamedTuple):
-    """A model an online stage updates, with its own optimizer and LR schedule."""
-
-    name: str
-    """Name in metrics (``lr/<name>``) and in :meth:`OnlineModule.update`."""
-    module: torch.nn.Module
-    optim: Optim
-    first_rollout: int = 0
-    """Rollouts before its first update (its schedule runs over the remaining ones)."""
-
-
-def _mean_metrics(records: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Average each metric over the minibatch records that have it."""
-    keys = sorted({k for rec in records for k in rec})
-    return {k: float(torch.stack([rec[k].float() for rec in records if k in rec]).mean()) for k in keys}
-
-
-class OnlineModule(AlignModule):
+class OnlineModule(DataParallelStats, AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -242,8 +145,7 @@ class OnlineModule(AlignModule):
         self.automatic_optimization = False
         self.max_grad_norm = max_grad_norm
         self.rollout = rollout if rollout is not None else RolloutLoop()
-        self.ptx = ptx
-        self.ptx_data: SFTDataModule | None = None
+        self.ptx_mixer = PtxMixer(ptx)
         self.prompt_filter = prompt_filter
         self.gold = gold
         self.val_sampling = val_sampling
@@ -274,9 +176,6 @@ class OnlineModule(AlignModule):
         self._phase = PhaseDisplay()
         self._stepped: set[int] = set()
         self._planned_rollouts = 1
-        self._ptx_loader = None
-        self._ptx_iter = None
-        self._ptx_state: dict[str, Any] | None = None
         self._val_records: list[dict[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ what a stage implements
@@ -328,18 +227,7 @@ class OnlineModule(AlignModule):
 
     def setup_ptx(self) -> None:
         """Read and encode the ptx data (once), as :class:`~alignlit.data.SFTDataModule` does."""
-        if self.ptx is None or self.ptx_data is not None:
-            return
-        self.ptx_data = SFTDataModule(
-            train_file=self.ptx.file,
-            val_file=self.ptx.val_file,
-            tokenizer=self._tokenizer_dir,
-            max_length=self.ptx.max_length,
-            max_prompt_length=self.ptx.max_prompt_length,
-            batch_size=self.ptx.batch_size,
-        )
-        self.ptx_data.trainer = self._trainer
-        self.ptx_data.setup("fit")
+        self.ptx_mixer.setup(self._tokenizer_dir, self._trainer)
 
     def on_fit_start(self) -> None:
         if self.prompt_filter is None:
@@ -448,41 +336,6 @@ class OnlineModule(AlignModule):
             metrics["mismatch/is_weight_mean"] = float(weights[mask].mean())
         return old, weights, metrics
 
-    # ------------------------------------------------------------------ several ranks
-    def data_parallel_group(self):
-        """The process group of the data-parallel ranks (None: the default group). Tensor-parallel peers
-        hold the same samples, so statistics over the global batch are summed over this group only."""
-        mesh = self.device_mesh
-        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-            return mesh["data_parallel"].get_group()
-        return None
-
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
-        out = values.detach().clone().to(self.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(out, group=self.data_parallel_group())
-        return out
-
-    def batch_all_reduce(self):
-        """The ``all_reduce`` the ops take to compute statistics over the global batch
-        (:data:`alignlit.ops.stats.AllReduce`): :meth:`all_reduce_sum` when a process group is
-        initialised, else None (one process: the ops' local statistics)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return self.all_reduce_sum
-        return None
-
-    def update_kl_controller(self, controller, kl_sum: float, count: int) -> float:
-        """Adapt ``controller`` to the mean KL per response over the global batch (``kl_sum`` and ``count``
-        summed over the data-parallel ranks), counting the global batch's responses as its steps, so
-        that every rank holds the value one process would over the same batch. Returns that mean."""
-        totals = self.all_reduce_sum(
-            torch.tensor([kl_sum, float(count)], dtype=torch.float64, device=self.device)
-        )
-        mean = float(totals[0] / totals[1])
-        controller.update(mean, round(float(totals[1])))
-        return mean
-
     def skip(self, reason: str) -> dict[str, float]:
         """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
         self.skipped_rollouts += 1
@@ -490,32 +343,23 @@ class OnlineModule(AlignModule):
         return {"rollout/skipped": 1.0}
 
     # ------------------------------------------------------------------ ptx
-    def _ptx_batch(self):
-        if self._ptx_iter is None:
-            if self._ptx_loader is None:
-                self._ptx_loader = self.ptx_data.train_dataloader()
-                if self._ptx_state is not None:
-                    self._ptx_loader.load_state_dict(self._ptx_state)
-            self._ptx_iter = iter(self._ptx_loader)
-        try:
-            return next(self._ptx_iter)
-        except StopIteration:
-            self._ptx_loader.sampler.set_epoch(self._ptx_loader.sampler.epoch + 1)
-            self._ptx_iter = iter(self._ptx_loader)
-            return next(self._ptx_iter)
+    @property
+    def ptx(self) -> PtxMix | None:
+        """The ptx settings (None: off)."""
+        return self.ptx_mixer.config
+
+    @property
+    def ptx_data(self) -> SFTDataModule | None:
+        """The encoded ptx data (after :meth:`setup_ptx`; None without ptx)."""
+        return self.ptx_mixer.data
 
     def ptx_nll(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Token-mean NLL of the policy on a batch of human (prompt, response) pairs (ChatGLM eq. 6)."""
-        input_ids, attention_mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
-        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask).logits
-        return masked_nll(*shift_for_next_token(logits, input_ids, batch.loss_mask.to(self.device)))
+        return self.ptx_mixer.nll(self.policy, batch, self.device)
 
     def add_ptx(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, what: str) -> torch.Tensor:
         """``loss + ptx.coef · NLL`` on the next ptx batch (metric ``ptx_nll``), checked finite."""
-        if self.ptx is not None and self.ptx.coef > 0:
-            nll, ptx_metrics = self.ptx_nll(self._ptx_batch())
-            loss = loss + self.ptx.coef * nll
-            metrics["ptx_nll"] = ptx_metrics["nll"]
+        loss = self.ptx_mixer.add(loss, metrics, self.policy, self.device)
         check_finite(loss, what=what, step=self.global_step, metrics=metrics)
         return loss
 
@@ -543,12 +387,9 @@ class OnlineModule(AlignModule):
         metrics: dict[str, float] = {}
         if records:
             metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]}
-        if self.ptx_data is not None and self.ptx_data.val_set:
-            nll = [self.ptx_nll(b) for b in self.ptx_data.val_dataloader()]
-            tokens = torch.stack([m["tokens"] for _, m in nll]).float()
-            metrics["val/sft_nll"] = float(
-                (torch.stack([loss for loss, _ in nll]) * tokens).sum() / tokens.sum()
-            )
+        sft_nll = self.ptx_mixer.val_nll(self.policy, self.device)
+        if sft_nll is not None:
+            metrics["val/sft_nll"] = sft_nll
         if metrics:
             if not self.trainer.sanity_checking:
                 self.log_dict(metrics, sync_dist=True)
@@ -567,12 +408,11 @@ class OnlineModule(AlignModule):
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(prefixes)]:
             del state[key]
-        loader = self._ptx_loader
         checkpoint[self.state_key] = {
             "rollout": self.rollout.state_dict(),
             "history": list(self.history),
             "skipped_rollouts": self.skipped_rollouts,
-            "ptx_loader": loader.state_dict() if loader is not None else self._ptx_state,
+            "ptx_loader": self.ptx_mixer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             **self.online_state_dict(),
         }
@@ -590,8 +430,7 @@ class OnlineModule(AlignModule):
         self.rollout.load_state_dict(state["rollout"])
         self.history = list(state["history"])
         self.skipped_rollouts = int(state["skipped_rollouts"])
-        self._ptx_state = state["ptx_loader"]
-        self._ptx_loader = self._ptx_iter = None
+        self.ptx_mixer.load_state_dict(state["ptx_loader"])
         torch.set_rng_state(state["torch_rng"])
         self.load_online_state_dict(state)
 

@@ -21,7 +21,8 @@ from alignlit.data.records import read_records
 from alignlit.losses import PreferenceLoss
 from alignlit.models.reward import load_preference_model
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.online import OnlineModule, _mean_metrics
+from alignlit.modules.online import OnlineModule
+from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.preference_objective import PreferenceObjective
 from alignlit.rollout.base import Rollout
 from alignlit.rollout.loop import Experience
@@ -389,5 +390,5 @@ class OnlineDPOModule(OnlineModule):
                 loss = self.add_ptx(loss, loss_metrics, what=f"online {self.objective.name} loss")
                 loss_metrics["grad_norm"] = self.update("policy", loss)
                 records.append(loss_metrics)
-        metrics.update({f"dpo/{k}": v for k, v in _mean_metrics(records).items()})
+        metrics.update({f"dpo/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

@@ -17,8 +17,9 @@ from alignlit.data.records import read_records
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import eval_mode, response_logprobs, token_logprobs
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.online import KLPenalty, OnlineModule, _mean_metrics
+from alignlit.modules.online import KLPenalty, OnlineModule
 from alignlit.modules.online_dpo import length_metrics
+from alignlit.modules.online_parts import mean_metrics
 from alignlit.ops import kl_estimate
 from alignlit.rollout.loop import Experience
 from alignlit.rollout.reward import Reward, score_texts
@@ -257,5 +258,5 @@ class OnlineRRHFModule(OnlineModule):
             records.append(loss_metrics)
         if self.kl_ctl is not None:
             self.kl_ctl.update(metrics["kl/ref"], len(experience))
-        metrics.update({f"rrhf/{k}": v for k, v in _mean_metrics(records).items()})
+        metrics.update({f"rrhf/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

@@ -17,17 +17,20 @@ so every rank runs as many updates as the others, as PPO does (:class:`~alignlit
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from alignlit.checks import resolve_registered
 from alignlit.losses.policy_gradient import LOSS_AGGREGATIONS, policy_gradient_loss
 from alignlit.models.forward import eval_mode, response_logprobs, response_token_logprobs
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.online import KLPenalty, OnlineModule, _mean_metrics
+from alignlit.modules.online import KLPenalty, OnlineModule
+from alignlit.modules.online_parts import UpdateBatch, mean_metrics
 from alignlit.ops import (
     ADVANTAGE_ESTIMATORS,
+    DynamicSampling,
+    Overlong,
     group_advantages,
     informative_groups,
     kl_estimate,
@@ -37,139 +40,25 @@ from alignlit.ops import (
     reinforce_pp_returns,
 )
 from alignlit.ops.kl import KLKind
-from alignlit.rollout.base import Rollout
+from alignlit.rollout.base import Rollout, select_groups
 from alignlit.rollout.loop import Experience, RolloutLoop
-from alignlit.rollout.reward import Reward, import_object, score_rollout
+from alignlit.rollout.reward import Reward, score_rollout
+
+__all__ = ["PER_TOKEN", "DynamicSampling", "Overlong", "PGBatch", "PolicyGradientModule", "select_groups"]
 
 PER_TOKEN = "reinforce_pp"
 """The per-token estimator (REINFORCE++: KL in the token rewards, discounted returns, batch whitening)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DynamicSampling:
-    """DAPO dynamic sampling (Yu et al. 2025 §3.2; algorithms.md §10): drop the groups whose ``n``
-    rewards are all equal (:func:`~alignlit.ops.informative_groups`, on the task reward before any KL
-    shaping) and optionally refill the batch with groups of further prompts.
-
-    Args:
-        max_tries: extra sampling rounds per rollout, each on as many prompts as groups are missing,
-            drawn from the DataModule's ``train_prompts`` by a seeded generator (0: only drop).
-        atol: rewards closer than this count as equal.
-    """
-
-    max_tries: int = 0
-    atol: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_tries < 0:
-            raise ValueError(f"dynamic_sampling.max_tries must be >= 0, got {self.max_tries}")
-        if self.atol < 0:
-            raise ValueError(f"dynamic_sampling.atol must be >= 0, got {self.atol}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Overlong:
-    """Responses cut at ``max_new_tokens`` (DAPO §3.4; algorithms.md §10).
-
-    Args:
-        mode: ``"filter"`` leaves them out of the loss (their rewards still enter the group
-            baselines); ``"penalty"`` adds :func:`~alignlit.ops.overlong_penalty` to every reward.
-        buffer: ``L_c``, the tokens before the limit over which the penalty grows (``"penalty"``).
-        penalty: the penalty at the limit (``"penalty"``).
-    """
-
-    mode: Literal["filter", "penalty"] = "filter"
-    buffer: int = 4
-    penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("filter", "penalty"):
-            raise ValueError(f"overlong.mode must be 'filter' or 'penalty', got {self.mode!r}")
-        if self.buffer < 1 or self.penalty < 0:
-            raise ValueError(
-                f"overlong.buffer must be >= 1 and penalty >= 0, got {self.buffer}, {self.penalty}"
-            )
-
-
-torch.serialization.add_safe_globals([DynamicSampling, Overlong])
-
-
 @dataclasses.dataclass
-class PGBatch:
-    """One rollout ready for updates (``N`` responses, ``T`` response tokens); ``mask`` (N, T) bool,
+class PGBatch(UpdateBatch):
+    """One rollout ready for updates: the :class:`~alignlit.modules.online_parts.UpdateBatch` fields,
     ``old_logprobs``/``ref_logprobs``/``is_weights`` (N, T), ``advantages`` (N,) or (N, T)."""
 
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    mask: torch.Tensor
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
     advantages: torch.Tensor
     is_weights: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
-    def ids(self) -> tuple[torch.Tensor, ...]:
-        return self.prompt_ids, self.prompt_mask, self.response_ids, self.mask
-
-    def select(self, rows: torch.Tensor) -> PGBatch:
-        rows = rows.to(self.prompt_ids.device)
-        return PGBatch(
-            **{
-                f.name: None if (v := getattr(self, f.name)) is None else v[rows]
-                for f in dataclasses.fields(self)
-            }
-        )
-
-
-def select_groups(rollouts: list[Rollout], groups: list[torch.Tensor], pad_id: int) -> Rollout:
-    """The groups ``groups[k]`` ((g_k,) prompt indices) of ``rollouts[k]``, concatenated into one
-    rollout (prompts re-padded on the left, responses on the right)."""
-    n = rollouts[0].n
-    rows = [(g[:, None] * n + torch.arange(n)).flatten() for g in groups]  # (g_k * n,)
-    width_p = max(r.prompt_ids.shape[1] for r in rollouts)
-    width_t = max(r.response_ids.shape[1] for r in rollouts)
-
-    def cat(name: str, width: int, value, left: bool) -> torch.Tensor:
-        parts = [getattr(r, name)[i] for r, i in zip(rollouts, rows)]
-        return torch.cat(
-            [
-                F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
-                for t in parts
-            ]
-        )
-
-    listed = {
-        k: [x for r, i in zip(rollouts, rows) for x in (getattr(r, k)[j] for j in i.tolist())]
-        for k in ("prompts", "texts", "finish_reasons")
-    }
-    return Rollout(
-        **listed,
-        prompt_index=torch.arange(sum(len(i) for i in rows)) // n,
-        prompt_ids=cat("prompt_ids", width_p, pad_id, True),  # (N, P)
-        prompt_mask=cat("prompt_mask", width_p, False, True),
-        response_ids=cat("response_ids", width_t, pad_id, False),  # (N, T)
-        response_mask=cat("response_mask", width_t, False, False),
-        logprobs=cat("logprobs", width_t, 0.0, False),
-        n=n,
-    )
-
-
-def _resolve(name: str, registry: dict, what: str):
-    """A registry name, or the dotted path of a function (importing it registers it too)."""
-    if name in registry:
-        return name
-    if "." in name:
-        try:
-            fn = import_object(name)
-        except ImportError as e:
-            raise ValueError(f"{what} {name!r} is neither registered nor importable ({e})") from e
-        if callable(fn):
-            return fn
-    raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)} or a dotted function path")
 
 
 class PolicyGradientModule(OnlineModule):
@@ -245,9 +134,9 @@ class PolicyGradientModule(OnlineModule):
         self.estimator = (
             advantage
             if advantage == PER_TOKEN
-            else _resolve(advantage, ADVANTAGE_ESTIMATORS, "advantage estimator")
+            else resolve_registered(advantage, ADVANTAGE_ESTIMATORS, "advantage estimator")
         )
-        self.aggregate = _resolve(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
+        self.aggregate = resolve_registered(aggregation, LOSS_AGGREGATIONS, "loss aggregation")
         for name, value in (("eps", eps), ("kl_loss_coef", kl_loss_coef), ("entropy_coef", entropy_coef)):
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -474,7 +363,7 @@ class PolicyGradientModule(OnlineModule):
             records.append(loss_metrics)
         if self.kl_ctl is not None:  # the mean KL over the global batch, counting its responses
             self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(rollout), len(rollout))
-        metrics.update({f"policy/{k}": v for k, v in _mean_metrics(records).items()})
+        metrics.update({f"policy/{k}": v for k, v in mean_metrics(records).items()})
         return metrics
 
     # ------------------------------------------------------------------ online state

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from alignlit.eval.plots import PPO_PANELS
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.models.forward import (
     disable_dropout,
@@ -25,7 +26,8 @@ from alignlit.models.forward import (
 from alignlit.models.loading import load_scalar_model
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import Optim, check_finite
-from alignlit.modules.online import KLPenalty, OnlineModule, TrainedModel, _mean_metrics
+from alignlit.modules.online import KLPenalty, OnlineModule, TrainedModel
+from alignlit.modules.online_parts import UpdateBatch, mean_metrics
 from alignlit.ops import (
     RewardNorm,
     RunningMoments,
@@ -48,7 +50,7 @@ BASELINE_SEED_OFFSET = 1_000_003
 
 
 @dataclasses.dataclass
-class PPOBatch:
+class PPOBatch(UpdateBatch):
     """The experience of one rollout, ready for PPO updates (``N`` samples, ``P`` prompt and ``T`` response tokens).
 
     Attributes:
@@ -65,10 +67,6 @@ class PPOBatch:
         is_weights: (N, T) truncated importance weights of the rollout/trainer mismatch, or None.
     """
 
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    mask: torch.Tensor
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
     old_values: torch.Tensor
@@ -76,20 +74,6 @@ class PPOBatch:
     advantages: torch.Tensor
     returns: torch.Tensor
     is_weights: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
-    def ids(self) -> tuple[torch.Tensor, ...]:
-        """``(prompt_ids, prompt_mask, response_ids, mask)``, the arguments of the forward functions."""
-        return self.prompt_ids, self.prompt_mask, self.response_ids, self.mask
-
-    def select(self, rows: torch.Tensor) -> PPOBatch:
-        """The rows ``rows`` (a (m,) index tensor) of every field."""
-        rows = rows.to(self.prompt_ids.device)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return PPOBatch(**{k: v[rows] if v is not None else None for k, v in fields.items()})
 
 
 class PPOModule(OnlineModule):
@@ -129,20 +113,7 @@ class PPOModule(OnlineModule):
     """
 
     stage = "ppo"
-    curve_panels = (
-        ("reward/raw", "reward (raw)"),
-        ("reward/normalized", "reward (normalised)"),
-        ("kl/ref", "KL(π‖π0) per response"),
-        ("response/length", "response length (tokens)"),
-        ("response/ppl", "perplexity on own samples"),
-        ("policy/entropy", "entropy (nats/token)"),
-        ("policy/clip_frac", "clip fraction"),
-        ("policy/approx_kl", "approx. KL old→new"),
-        ("value/explained_var", "value explained variance"),
-        ("val/gold", "held-out gold reward"),
-        ("time/rollout_s", "rollout time (s)"),
-        ("time/train_s", "train time (s)"),
-    )
+    curve_panels = PPO_PANELS
 
     def __init__(
         self,
@@ -366,9 +337,9 @@ class PPOModule(OnlineModule):
         if actor_active:
             self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(experience), len(experience))
         metrics.update(
-            {f"value/{k.removeprefix('value_')}": v for k, v in _mean_metrics(critic_records).items()}
+            {f"value/{k.removeprefix('value_')}": v for k, v in mean_metrics(critic_records).items()}
         )
-        metrics.update({f"policy/{k}": v for k, v in _mean_metrics(actor_records).items()})
+        metrics.update({f"policy/{k}": v for k, v in mean_metrics(actor_records).items()})
         return metrics
 
     # ------------------------------------------------------------------ online state

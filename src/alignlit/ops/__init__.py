@@ -1,5 +1,5 @@
 """RL math on token tensors: masked statistics, GAE, group advantages, log-probs, KL estimators and controllers,
-rollout/trainer mismatch and DAPO sample filters."""
+rollout/trainer mismatch and DAPO sample filters (and their settings)."""
 
 from alignlit.ops.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -8,7 +8,7 @@ from alignlit.ops.advantages import (
     register_advantage,
     reinforce_pp_returns,
 )
-from alignlit.ops.dapo import informative_groups, overlong_mask, overlong_penalty
+from alignlit.ops.dapo import DynamicSampling, Overlong, informative_groups, overlong_mask, overlong_penalty
 from alignlit.ops.gae import gae
 from alignlit.ops.kl import (
     AdaptiveKLController,
@@ -39,8 +39,10 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageEstimator",
     "AllReduce",
+    "DynamicSampling",
     "FixedKLController",
     "KLKind",
+    "Overlong",
     "RewardNorm",
     "RunningMoments",
     "check_ndim",

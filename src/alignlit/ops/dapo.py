@@ -5,11 +5,14 @@
 - :func:`overlong_mask`: overlong filtering, which leaves responses cut at the token limit out of
   the loss (their reward judges an unfinished answer).
 - :func:`overlong_penalty`: soft overlong punishment, a length-dependent reward added to the score.
+- :class:`DynamicSampling` and :class:`Overlong`: their settings, as a stage takes them from a config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -17,6 +20,64 @@ from alignlit.ops.stats import check_ndim
 
 FINISHED = "stop"
 TRUNCATED = "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO dynamic sampling (Yu et al. 2025 §3.2; algorithms.md §10): drop the groups whose ``n``
+    rewards are all equal (:func:`informative_groups`, on the task reward before any KL shaping) and
+    optionally refill the batch with groups of further prompts.
+
+    Args:
+        max_tries: extra sampling rounds per rollout, each on as many prompts as groups are missing,
+            drawn from the DataModule's ``train_prompts`` by a seeded generator (0: only drop).
+        atol: rewards closer than this count as equal.
+    """
+
+    max_tries: int = 0
+    atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_tries < 0:
+            raise ValueError(f"dynamic_sampling.max_tries must be >= 0, got {self.max_tries}")
+        if self.atol < 0:
+            raise ValueError(f"dynamic_sampling.atol must be >= 0, got {self.atol}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlong:
+    """Responses cut at ``max_new_tokens`` (DAPO §3.4; algorithms.md §10).
+
+    Args:
+        mode: ``"filter"`` leaves them out of the loss (:func:`overlong_mask`; their rewards still
+            enter the group baselines); ``"penalty"`` adds :func:`overlong_penalty` to every reward.
+        buffer: ``L_c``, the tokens before the limit over which the penalty grows (``"penalty"``).
+        penalty: the penalty at the limit (``"penalty"``).
+    """
+
+    mode: Literal["filter", "penalty"] = "filter"
+    buffer: int = 4
+    penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("filter", "penalty"):
+            raise ValueError(f"overlong.mode must be 'filter' or 'penalty', got {self.mode!r}")
+        if self.buffer < 1 or self.penalty < 0:
+            raise ValueError(
+                f"overlong.buffer must be >= 1 and penalty >= 0, got {self.buffer}, {self.penalty}"
+            )
+
+
+# checkpoints keep them in the stage's hyper-parameters; those written before they moved here name
+# them at alignlit.modules.policy_gradient
+torch.serialization.add_safe_globals(
+    [
+        DynamicSampling,
+        Overlong,
+        (DynamicSampling, "alignlit.modules.policy_gradient.DynamicSampling"),
+        (Overlong, "alignlit.modules.policy_gradient.Overlong"),
+    ]
+)
 
 
 def informative_groups(rewards: torch.Tensor, *, atol: float = 0.0) -> torch.Tensor:

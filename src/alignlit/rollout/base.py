@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -85,3 +86,37 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> Rollout: ...
 
     def sync(self, policy: torch.nn.Module) -> None: ...
+
+
+def select_groups(rollouts: list[Rollout], groups: list[torch.Tensor], pad_id: int) -> Rollout:
+    """The groups ``groups[k]`` ((g_k,) prompt indices) of ``rollouts[k]``, concatenated into one
+    rollout (prompts re-padded on the left, responses on the right, to the widest of ``rollouts``;
+    :func:`~alignlit.rollout.vllm_engine.take_prompts` takes prompts of one rollout and trims its padding)."""
+    n = rollouts[0].n
+    rows = [(g[:, None] * n + torch.arange(n)).flatten() for g in groups]  # (g_k * n,)
+    width_p = max(r.prompt_ids.shape[1] for r in rollouts)
+    width_t = max(r.response_ids.shape[1] for r in rollouts)
+
+    def cat(name: str, width: int, value, left: bool) -> torch.Tensor:
+        parts = [getattr(r, name)[i] for r, i in zip(rollouts, rows)]
+        return torch.cat(
+            [
+                F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+                for t in parts
+            ]
+        )
+
+    listed = {
+        k: [x for r, i in zip(rollouts, rows) for x in (getattr(r, k)[j] for j in i.tolist())]
+        for k in ("prompts", "texts", "finish_reasons")
+    }
+    return Rollout(
+        **listed,
+        prompt_index=torch.arange(sum(len(i) for i in rows)) // n,
+        prompt_ids=cat("prompt_ids", width_p, pad_id, True),  # (N, P)
+        prompt_mask=cat("prompt_mask", width_p, False, True),
+        response_ids=cat("response_ids", width_t, pad_id, False),  # (N, T)
+        response_mask=cat("response_mask", width_t, False, False),
+        logprobs=cat("logprobs", width_t, 0.0, False),
+        n=n,
+    )
