@@ -166,9 +166,15 @@ class VLLMEngine:
             # in a spawned process of its own instead (a forked one would inherit the group).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-            self.engine_process = True
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # whatever set it (this process earlier, or the caller's environment), the engine core is in
+        # another process exactly when vLLM's multiprocessing switch is on
+        self.engine_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in (
+            "0",
+            "false",
+            "False",
+        )
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         vllm = _import_vllm()
