@@ -505,15 +505,17 @@ class Bench:
         print(f"bench_quality: {done}/{len(cells)} cells done; ETA {fmt_s(left)}", flush=True)
 
 
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample std of the values that are not None (std None for fewer than two)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
 def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     """Mean and std over seeds of one method's test records, with the win rate against SFT."""
     from alignlit.eval.gold import win_rate
-
-    def mean_std(values):
-        values = [v for v in values if v is not None]
-        if not values:
-            return None, None
-        return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
     wins = [win_rate(r["prompt_gold"], sft_by_seed[r["seed"]]) for r in rows if r["seed"] in sft_by_seed]
     out = {"seeds": [r["seed"] for r in rows]}
@@ -536,7 +538,7 @@ def pm(mean, std, digits=3) -> str:
 
 def format_table(table: list[dict]) -> str:
     lines = [
-        "| method | setting (chosen on prompts_val) | gold reward | win rate vs SFT | KL to SFT | length (tokens) "
+        "| method | setting | gold reward | win rate vs SFT | KL to SFT | length (tokens) "
         "| wall time (s) | seeds |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]

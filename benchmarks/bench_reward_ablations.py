@@ -40,7 +40,9 @@ from bench_quality import (
     TINY_DATA,
     fmt_s,
     get_key,
+    mean_std,
     out_prefix,
+    pm,
     read_config,
     read_json,
     run_alignlit,
@@ -100,19 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="toy sizes: checks the whole pipeline in minutes")
     p.add_argument("--plan", action="store_true", help="print the planned cells and the ETA, run nothing")
     return p
-
-
-def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def pm(mean, std, digits=3) -> str:
-    if mean is None:
-        return ""
-    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
