@@ -154,8 +154,9 @@ class VLLMEngine:
         """Number of times weights were actually loaded into the engine."""
         self.llm = None
         self.engine_process = False
-        """True when vLLM's engine core runs in a process of its own (under a trainer's process group):
-        weights then reach it through a safetensors file, not as tensors in the RPC call."""
+        """True when vLLM's engine core runs in a process of its own (always under a trainer's process
+        group; otherwise as ``VLLM_ENABLE_V1_MULTIPROCESSING`` says): weights then reach it through a
+        safetensors file, not as tensors in the RPC call."""
         self._seeds = random.Random(seed)
         if _rank() != 0:
             return
@@ -168,16 +169,14 @@ class VLLMEngine:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # whatever set it (this process earlier, or the caller's environment), the engine core is in
-        # another process exactly when vLLM's multiprocessing switch is on
-        self.engine_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") not in (
-            "0",
-            "false",
-            "False",
-        )
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         vllm = _import_vllm()
+        from vllm import envs as vllm_envs
+
+        # whatever set the switch (this process earlier, or the caller's environment), vLLM's own
+        # reading of it says where the engine core runs
+        self.engine_process = bool(vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING)
         kwargs = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),
