@@ -390,8 +390,18 @@ class Bench:
 
     # one method's runs
 
+    def own_setting(self, method: str, setting: dict) -> dict:
+        """The part of ``setting`` that changes the method's config: entries equal to the config's own
+        value are dropped, so the grid point at the config's own setting is the same run (same command
+        line, same directory) as the config run without overrides, and is trained once."""
+        m = self.methods[method]
+        if not setting or m.config is None:
+            return setting
+        config = read_config(self.configs / f"{m.config}.yaml")
+        return {k: v for k, v in setting.items() if get_key(config, f"model.init_args.{k}") != v}
+
     def run_dir(self, method: str, setting: dict, seed: int) -> Path:
-        return self.work / "runs" / method / slug(setting) / f"seed{seed}"
+        return self.work / "runs" / method / slug(self.own_setting(method, setting)) / f"seed{seed}"
 
     def prepare_run_dir(self, path: Path) -> None:
         """A run's directory looks like a checkout after the shared stages: ``data`` and the shared
@@ -412,7 +422,7 @@ class Bench:
         config_path = self.configs / f"{method.config}.yaml"
         export = get_key(read_config(config_path), "model.init_args.export_dir")
         path = self.run_dir(method.name, setting, seed)
-        argv = self.fit_args(config_path.name, seed, setting)
+        argv = self.fit_args(config_path.name, seed, self.own_setting(method.name, setting))
         sha = hashlib.sha256(config_path.read_bytes()).hexdigest()
         done = read_json(path / "fit.json")
         same = {"argv": argv, "config_sha256": sha, "shared_stamp": self.shared_stamp}

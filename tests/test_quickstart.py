@@ -197,16 +197,16 @@ def test_a_finished_run_is_reused_until_its_config_changes(configs, tmp_path, mo
     bench = bench_quality.Bench(args, bench_quality.METHODS)
     bench.shared_stamp = 1.0
     dpo = next(m for m in bench_quality.METHODS if m.name == "dpo")
-    setting = {"loss_args": {"beta": 0.1, "label_smoothing": 0.0}}
+    setting = {"loss_args": {"beta": 0.3, "label_smoothing": 0.0}}
     export, run = bench.fit(dpo, setting, 0)
     assert (
         export
-        == tmp_path / "w/runs/dpo/loss_args.beta=0.1,loss_args.label_smoothing=0/seed0/out/quickstart/dpo"
+        == tmp_path / "w/runs/dpo/loss_args.beta=0.3,loss_args.label_smoothing=0/seed0/out/quickstart/dpo"
     )
     assert (export.parents[2] / "data").is_symlink() and (export.parent / "sft").is_symlink()
     assert (
         run["fit_s"] == 1.5
-        and calls[0][-1] == '--model.init_args.loss_args={"beta": 0.1, "label_smoothing": 0.0}'
+        and calls[0][-1] == '--model.init_args.loss_args={"beta": 0.3, "label_smoothing": 0.0}'
     )
     assert bench.fit(dpo, setting, 0)[1] == run and len(calls) == 1  # reused
     (configs / "dpo.yaml").write_text((configs / "dpo.yaml").read_text() + "\n# changed\n")
@@ -215,6 +215,17 @@ def test_a_finished_run_is_reused_until_its_config_changes(configs, tmp_path, mo
     bench.shared_stamp = 2.0
     bench.fit(dpo, setting, 0)
     assert len(calls) == 3  # the shared SFT/RM changed: trained again
+    # the grid point at the config's own setting (beta 0.1) is the config's run without overrides:
+    # same directory and command line as the setting-free run, so it is trained once for both
+    own = {"loss_args": {"beta": 0.1, "label_smoothing": 0.0}}
+    assert bench.own_setting("dpo", own) == {} and bench.own_setting("dpo", setting) == setting
+    export, _ = bench.fit(dpo, own, 1)
+    assert export == tmp_path / "w/runs/dpo/default/seed1/out/quickstart/dpo"
+    assert not any(a.startswith("--model.init_args.") for a in calls[-1]) and len(calls) == 4
+    bench.fit(dpo, {}, 1)
+    assert len(calls) == 4  # reused
+    lrs = bench_quality.settings_of(next(m for m in bench_quality.METHODS if m.name == "rft"), configs)
+    assert [bench.own_setting("rft", s) for s in lrs] == [{"optim.lr": 5e-05}, {}, {"optim.lr": 0.0002}]
 
 
 def test_aggregate_mean_std_and_win_rate_per_seed():
