@@ -3,8 +3,8 @@
 Both sides train the same tiny random Llama (hidden 256, 4 layers, 4 heads of 64, MLP 640, a BPE
 vocabulary of 512 trained on the simulated task: 3.3M parameters) on the same simulated data
 (``alignlit.sim``, generated in-process and tokenised once, so both sides see the same token ids),
-in the same order (no shuffling), with the same batch size, AdamW (same lr, betas, weight decay,
-constant schedule, no warmup, no clipping), float32, no gradient checkpointing, and the same number
+in the same order (no shuffling), with the same batch size, AdamW (torch's fused kernel on both sides,
+each library's default; same lr, betas, weight decay, constant schedule, no warmup, no clipping), float32, no gradient checkpointing, and the same number
 of torch threads, with ``OMP_WAIT_POLICY=PASSIVE`` (on a machine shared with other jobs, OpenMP's
 default spinning made step times vary 20-fold). Each measurement runs in its own subprocess (clean
 peak RSS), alternating sides, ``--reps`` repetitions; the median over repetitions is reported.
@@ -244,7 +244,12 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
     from alignlit.modules import DPOModule, Optim, RewardModule, SFTModule
 
     optim = Optim(
-        lr=args.lr, betas=(0.9, 0.999), weight_decay=args.weight_decay, warmup_steps=0, min_lr_ratio=1.0
+        lr=args.lr,
+        betas=(0.9, 0.999),
+        weight_decay=args.weight_decay,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+        fused=False if args.no_fused_adamw else None,  # None: alignlit's default (fused where it applies)
     )
     clock = StepClock(args.warmup, args.warmup + args.steps, args.profile)
     size = args.batch_size
@@ -313,14 +318,6 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
     settings = {"packing": not args.no_packing, "fused_head": not args.no_fused_head}
     if args.compile:
         forward.compile_decoder(module.rm if workload == "reward" else module.policy)
-    if args.fused_adamw:  # what passing fused=True in alignlit.modules.Optim.build would give
-        import torch
-
-        class FusedAdamW(torch.optim.AdamW):
-            def __init__(self, params, **kwargs):
-                super().__init__(params, fused=True, **kwargs)
-
-        torch.optim.AdamW = FusedAdamW
     with forward.use_forward_settings(**settings):
         trainer.fit(module, datamodule=Data(str(root / "pairs.json")))
     return clock.result()
@@ -347,7 +344,8 @@ def trl_worker(workload: str, root: Path, args) -> dict:
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=0.0,
-        optim="adamw_torch",
+        # TRL's default with torch >= 2.8 is the fused kernel, as alignlit's; --no-fused-adamw: both loop
+        optim="adamw_torch" if args.no_fused_adamw else "adamw_torch_fused",
         bf16=False,
         gradient_checkpointing=False,
         use_cpu=True,
@@ -448,7 +446,7 @@ def run_worker(python: str, side: str, workload: str, root: Path, args) -> dict:
         "--max-length", str(args.max_length), "--max-prompt-length", str(args.max_prompt_length),
         *(["--no-packing"] if args.no_packing else []), *(["--no-fused-head"] if args.no_fused_head else []),
         *(["--compile"] if args.compile else []), *(["--profile"] if args.profile else []),
-        *(["--fused-adamw"] if args.fused_adamw else []),
+        *(["--no-fused-adamw"] if args.no_fused_adamw else []),
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -527,9 +525,10 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="alignlit: torch.compile the decoder")
     parser.add_argument(
-        "--fused-adamw",
+        "--no-fused-adamw",
         action="store_true",
-        help="alignlit: torch's fused AdamW kernel (same updates, one kernel)",
+        help="alignlit: torch's per-parameter AdamW loop (Optim(fused=False); the default is the fused "
+        "kernel where it applies: the same updates)",
     )
     parser.add_argument(
         "--profile",
