@@ -204,3 +204,22 @@ def test_sft_learns_and_exports(tmp_path, tokenizer_dir):
     ids = tok("\n\nHuman: reverse a b\n\nAssistant:", return_tensors="pt").input_ids
     out = policy.generate(ids, max_new_tokens=4, do_sample=False)
     assert tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == " b a"
+
+
+def test_compile_decoder_callback_compiles_the_policy_and_trains_the_same(tmp_path, tokenizer_dir):
+    """CompileDecoder (backend "eager": torch.compile's graph capture without code generation, fast
+    enough for CI) compiles the policy's decoder, and the 5 losses equal the uncompiled run's."""
+    from alignlit.callbacks import CompileDecoder
+
+    plain, compiled = Record(), Record()
+    _run(tmp_path, tokenizer_dir, tmp_path / "a", max_steps=5, callbacks=[plain])
+    module = _run(
+        tmp_path,
+        tokenizer_dir,
+        tmp_path / "b",
+        max_steps=5,
+        callbacks=[compiled, CompileDecoder(backend="eager")],
+    )
+    assert module.policy.get_decoder()._compiled_call_impl is not None
+    assert [s for s, _ in compiled.losses] == [s for s, _ in plain.losses]
+    assert [x for _, x in compiled.losses] == pytest.approx([x for _, x in plain.losses], rel=1e-5, abs=1e-6)

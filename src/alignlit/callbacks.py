@@ -7,6 +7,8 @@
 - :class:`DivergenceMonitor`: stops a run whose loss, weights or gradients say it diverged, naming
   the step (a learning rate of 1e6 otherwise "trains" to garbage with exit status 0).
 
+Opt-in: :class:`CompileDecoder` (``torch.compile`` of the trained model's decoder).
+
 A callback of the same class given in the trainer's ``callbacks`` replaces the default one, so its
 thresholds can be set in YAML::
 
@@ -40,6 +42,36 @@ class ExportDirCheck(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and getattr(pl_module, "export_dir", None) is not None:
             check_export_dir(pl_module.export_dir)
+
+
+class CompileDecoder(Callback):
+    """``torch.compile`` the decoder of the stage's trained model (its ``export_model()``: the policy, or
+    the reward model) before fit, with :func:`alignlit.models.forward.compile_decoder`; ``backend``,
+    ``mode`` and ``dynamic`` go to ``torch.compile`` (``dynamic=True``: packed batches change shape every
+    step).
+
+    Opt-in, from YAML or the command line::
+
+        trainer:
+          callbacks:
+            - class_path: alignlit.callbacks.CompileDecoder
+
+    The first steps pay the compilation. Measured on CPU with the benchmark's 3.2M-parameter Llama,
+    SFT ran at 1.24x TRL's examples/s against 1.02x uncompiled (README Performance).
+    """
+
+    def __init__(self, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = True):
+        self.options = {"backend": backend, "mode": mode, "dynamic": dynamic}
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        from alignlit.models.forward import compile_decoder
+
+        export_model = getattr(pl_module, "export_model", None)
+        if not callable(export_model):
+            raise TypeError(f"CompileDecoder: {type(pl_module).__name__} has no export_model() to compile")
+        compile_decoder(export_model(), **self.options)
 
 
 class CheckpointStageStamp(Callback):
