@@ -546,6 +546,9 @@ def test_fit_logs_the_monitoring_metrics(tiny_policy_dir, data_dir, tmp_path):
         "lr/policy",
     ):  # fmt: skip
         assert all(key in h for h in train), key
+    for h in train:  # the experience forwards are timed, inside the rollout's train time
+        assert h["time/old_logp_s"] > 0 and h["time/ref_logp_s"] > 0
+        assert h["time/old_logp_s"] + h["time/ref_logp_s"] < h["time/train_s"]
     assert trainer.global_step == 4  # rollouts of 4 and 2 prompts x 4 samples, minibatches of 8: 2 + 1, 1
     history = json.loads((tmp_path / "policy_gradient_curves.json").read_text())
     assert [h["rollout"] for h in history if "reward/raw" in h] == [1.0, 2.0]

@@ -381,6 +381,9 @@ def test_critic_pretraining_freezes_policy_then_both_train(tmp_path, tiny_policy
     fit(module, data_dir, tmp_path / "more", rollouts=2)
     assert not all(torch.equal(v, policy0[k]) for k, v in module.policy.state_dict().items())
     assert [h["rollout"] for h in module.history if "policy/policy_loss" in h] == [3.0, 4.0]
+    for h in (h for h in module.history if "time/train_s" in h):  # experience forwards, inside train time
+        parts = [h["time/old_logp_s"], h["time/ref_logp_s"], h["time/values_s"]]
+        assert all(t > 0 for t in parts) and sum(parts) < h["time/train_s"]
 
 
 @pytest.mark.slow

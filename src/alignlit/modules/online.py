@@ -312,23 +312,28 @@ class OnlineModule(DataParallelStats, AlignModule):
         Returns ``(old_logprobs (N, T), is_weights (N, T) or None, metrics)``: the policy's
         teacher-forced log-probs (eval mode, on this module's device), the truncated importance
         weights ``min(exp(log π_old - log μ), tis_cap)`` when ``tis_cap`` is set, and ``mismatch/*``
-        metrics comparing them with the engine's ``log μ`` (``rollout.logprobs``).
+        metrics comparing them with the engine's ``log μ`` (``rollout.logprobs``), and ``time/old_logp_s``.
         """
         ids = [
             t.to(self.device)
             for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
         ]
+        start = time.perf_counter()
         with eval_mode(self.policy):
             old = response_logprobs(
                 self.policy, *ids, temperature=self.rollout.sampling.temperature
             )  # (N, T)
+        timing = {"time/old_logp_s": time.perf_counter() - start}
         engine = rollout.logprobs.to(device=self.device, dtype=old.dtype)  # (N, T)
         mask = ids[3]
         if not mask.any():
-            return old, None, {}
+            return old, None, timing
         metrics = {
-            f"mismatch/{k.removeprefix('mismatch_')}": float(v)
-            for k, v in logprob_mismatch(old, engine, mask).items()
+            **timing,
+            **{
+                f"mismatch/{k.removeprefix('mismatch_')}": float(v)
+                for k, v in logprob_mismatch(old, engine, mask).items()
+            },
         }
         weights = None
         if self.tis_cap is not None:

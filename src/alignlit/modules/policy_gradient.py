@@ -17,6 +17,7 @@ so every rank runs as many updates as the others, as PPO does (:class:`~alignlit
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -276,10 +277,12 @@ class PolicyGradientModule(OnlineModule):
             metrics["response/overlong_filtered"] = float((~finished).sum())
         old, is_weights, more = self.old_logprobs(rollout)  # (N, T)
         metrics.update(more)
+        start = time.perf_counter()
         with eval_mode(self.reference):
             ref = response_logprobs(
                 self.reference, *ids, full_mask, temperature=self.rollout.sampling.temperature
             )
+        metrics["time/ref_logp_s"] = time.perf_counter() - start
         metrics["kl/ref"] = float(((old - ref) * full_mask).sum(-1).mean())  # k1 per response
         rewards = rewards.to(device=self.device, dtype=old.dtype)
         beta = self.kl_ctl.value if self.kl_ctl is not None else 0.0

@@ -9,6 +9,7 @@ and the policy, each with its own optimizer, LR schedule and gradient-norm clipp
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -236,8 +237,12 @@ class PPOModule(OnlineModule):
         temperature = self.rollout.sampling.temperature
         old_logprobs, is_weights, metrics = self.old_logprobs(rollout)  # (N, T)
         with eval_mode(self.reference, self.critic):
+            start = time.perf_counter()
             ref_logprobs = response_logprobs(self.reference, *ids, temperature=temperature)  # (N, T)
+            metrics["time/ref_logp_s"] = time.perf_counter() - start
+            start = time.perf_counter()
             old_values = response_values(self.critic, *ids)  # (N, T)
+            metrics["time/values_s"] = time.perf_counter() - start
 
         shaped, shaping_metrics = self._sequence_rewards(rollout, scores)
         metrics.update(shaping_metrics)
