@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -73,11 +74,30 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
 ESTIMATE_S = {"make-data": 15, "sft": 270, "onpolicy-pairs": 30, "bt": 280, "pairpref": 330, "eval": 20}
 
 
+def seed_overrides(row: str, seed: int) -> list[str]:
+    """What a seed changes besides ``seed_everything`` (the new weights' init): the data order
+    (``data.init_args.seed``) and, for the preference model, which position the chosen response is
+    shown in (``model.init_args.seed``); without them the preference model, which adds no weights to
+    the SFT policy, trains identically under every seed."""
+    return [
+        f"--data.init_args.seed={seed}",
+        *([f"--model.init_args.seed={seed}"] if row == "pairpref" else []),
+    ]
+
+
 def command(row: str, configs: Path, seed: int) -> str:
     """The row's command as a user types it in a checkout (after the SFT stage)."""
     _, config, extra = ROWS[row]
     rel = configs.relative_to(ROOT) if configs.is_relative_to(ROOT) else configs
-    return " ".join(["alignlit fit --config", str(rel / config), *extra, f"--seed_everything={seed}"])
+    return " ".join(
+        [
+            "alignlit fit --config",
+            str(rel / config),
+            *extra,
+            f"--seed_everything={seed}",
+            *seed_overrides(row, seed),
+        ]
+    )
 
 
 def estimate(row: str, scale: float) -> float:
@@ -192,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             str(config_path),
             *run_overrides(read_config(config_path), seed=seed, tiny=args.tiny),
             *extra,
+            *seed_overrides(row, seed),
         ]
         same = {
             "argv": fit_argv,
@@ -269,7 +290,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pairs_note = f"{len(gold_pairs)} gold-labelled val pairs; {len(sample_pairs)} SFT-sample pairs"
     note = (
         f"\n{pairs_note}; mean ± std over seeds {args.seeds}; configs {configs.name}; {time.strftime('%Y-%m-%d')}; "
-        "`python benchmarks/bench_reward_ablations.py" + (" --tiny" if args.tiny else "") + "`"
+        "`"
+        + " ".join(["python benchmarks/bench_reward_ablations.py", *(sys.argv[1:] if argv is None else argv)])
+        + "`"
     )
     md = "\n".join(lines)
     print("\n" + md + note)
