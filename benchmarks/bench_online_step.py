@@ -8,9 +8,9 @@ trained on the simulated task) against a tiny reward model, and per rollout, in 
 - ``generate``: sampling the responses (``rollout/generate_s`` the module logs);
 - ``score``: the reward model (``rollout/score_s``);
 - ``sync``: pushing the policy's weights to the engine (``rollout/sync_s``; nothing to do for ``hf``);
-- ``old logp``: the trainer's ``log π_old`` (``OnlineModule.old_logprobs``, timed here);
-- ``ref logp``: the reference's ``log π_0`` (timed here around ``response_logprobs`` of the reference);
-- ``values``: the critic's values at experience time (PPO; timed here around ``response_values``);
+- ``old logp``: the trainer's ``log π_old`` (``time/old_logp_s``);
+- ``ref logp``: the reference's ``log π_0`` (``time/ref_logp_s``);
+- ``values``: the critic's values at experience time (PPO; ``time/values_s``);
 - ``train``: the rest of ``time/train_s``: advantages and the minibatch updates;
 - ``other``: the rest of the step's wall time (parity checks, Lightning, logging).
 
@@ -40,7 +40,6 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections import defaultdict
 from pathlib import Path
 
 import lightning as L
@@ -81,34 +80,14 @@ def build_assets(root: Path, args) -> tuple[Path, Path, list[str]]:
     return root / "policy", root / "reward", prompts
 
 
-class Timers:
-    """Seconds per rollout of the parts the module does not log, from wrappers around its calls."""
+class RolloutClock(L.Callback):
+    """Wall time of each rollout's whole training step."""
 
     def __init__(self):
-        self.current = 0
-        self.seconds: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-
-    def timed(self, fn, part, when=lambda *a, **k: True):
-        def wrapper(*args, **kwargs):
-            if not when(*args, **kwargs):
-                return fn(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[self.current][part] += time.perf_counter() - start
-
-        return wrapper
-
-
-class RolloutClock(L.Callback):
-    def __init__(self, timers: Timers):
-        self.timers = timers
         self.wall: dict[int, float] = {}
         self.start = 0.0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        self.timers.current = batch_idx
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -116,8 +95,6 @@ class RolloutClock(L.Callback):
 
 
 def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, interleave: bool) -> dict:
-    import alignlit.modules.policy_gradient as pg_module
-    import alignlit.modules.ppo as ppo_module
     from alignlit.modules import Optim, PolicyGradientModule, PPOModule
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
@@ -137,19 +114,6 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
         module = PolicyGradientModule(advantage="grpo", kl_loss_coef=0.01, rollout=rollout, **common)
         batch = args.prompts // args.group
 
-    timers = Timers()
-    module.old_logprobs = timers.timed(module.old_logprobs, "old_logp")
-    patched = []
-    for namespace in (ppo_module, pg_module):
-        if hasattr(namespace, "response_logprobs"):
-            patched.append((namespace, "response_logprobs", namespace.response_logprobs))
-            namespace.response_logprobs = timers.timed(
-                namespace.response_logprobs, "ref_logp", lambda model, *a, **k: model is module.reference
-            )
-    patched.append((ppo_module, "response_values", ppo_module.response_values))
-    ppo_module.response_values = timers.timed(
-        ppo_module.response_values, "values", lambda *a, **k: not torch.is_grad_enabled()
-    )
     last: dict[str, object] = {}
     train_on = module.train_on
 
@@ -158,7 +122,7 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
         return train_on(experience)
 
     module.train_on = keep_last
-    clock = RolloutClock(timers)
+    clock = RolloutClock()
     loader = torch.utils.data.DataLoader(prompts[: batch * args.rollouts], batch_size=batch, collate_fn=list)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -174,11 +138,7 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
         enable_model_summary=False,
         callbacks=[clock],
     )
-    try:
-        trainer.fit(module, train_dataloaders=loader)
-    finally:
-        for namespace, name, original in patched:
-            setattr(namespace, name, original)
+    trainer.fit(module, train_dataloaders=loader)
 
     rows = []
     for k, h in enumerate(module.history):
@@ -188,7 +148,7 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
             "generate": h["rollout/generate_s"],
             "score": h["rollout/score_s"],
             "sync": h.get("rollout/sync_s", 0.0),
-            **{p: timers.seconds[k][p] for p in ("old_logp", "ref_logp", "values")},
+            **{p: h.get(f"time/{p}_s", 0.0) for p in ("old_logp", "ref_logp", "values")},  # inside train_s
         }
         parts["train"] = h["time/train_s"] - parts["old_logp"] - parts["ref_logp"] - parts["values"]
         parts["other"] = clock.wall[k] - sum(parts.values())

@@ -4,8 +4,8 @@ Both sides train the same tiny random Llama (hidden 256, 4 layers, 4 heads of 64
 vocabulary of 512 trained on the simulated task: 3.3M parameters) on the same simulated data
 (``alignlit.sim``, generated in-process and tokenised once, so both sides see the same token ids),
 in the same order (no shuffling), with the same batch size, AdamW (torch's fused kernel on both sides,
-each library's default; same lr, betas, weight decay, constant schedule, no warmup, no clipping), float32, no gradient checkpointing, and the same number
-of torch threads, with ``OMP_WAIT_POLICY=PASSIVE`` (on a machine shared with other jobs, OpenMP's
+each library's default; same lr, betas, weight decay, constant schedule, no warmup, no clipping),
+float32, no gradient checkpointing, and the same number of torch threads, with ``OMP_WAIT_POLICY=PASSIVE`` (on a machine shared with other jobs, OpenMP's
 default spinning made step times vary 20-fold). Each measurement runs in its own subprocess (clean
 peak RSS), alternating sides, ``--reps`` repetitions; the median over repetitions is reported.
 
@@ -237,6 +237,7 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
     import lightning as L
     from torch.utils.data import DataLoader
 
+    from alignlit.callbacks import CompileDecoder
     from alignlit.data.encoding import Encoded, collate_lm
     from alignlit.data.preference import PairExample, collate_preference
     from alignlit.data.processing import Pair
@@ -313,11 +314,12 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[Clock()],
+        callbacks=[
+            Clock(),
+            *([CompileDecoder()] if args.compile else []),
+        ],  # --compile: as a user switches it on
     )
     settings = {"packing": not args.no_packing, "fused_head": not args.no_fused_head}
-    if args.compile:
-        forward.compile_decoder(module.rm if workload == "reward" else module.policy)
     with forward.use_forward_settings(**settings):
         trainer.fit(module, datamodule=Data(str(root / "pairs.json")))
     return clock.result()
