@@ -8,9 +8,12 @@ from alignlit.cli import AlignCLI
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 PRESETS = sorted(CONFIG_DIR.joinpath("strategies").glob("*.yaml"))  # fragments stacked on a stage config
-CONFIGS = sorted(
-    set(CONFIG_DIR.rglob("*.yaml")) - set(PRESETS) - set(CONFIG_DIR.joinpath("lora").glob("*.yaml"))
-)
+FRAGMENTS = {  # stacked on a stage config, each tested below
+    *PRESETS,
+    *CONFIG_DIR.joinpath("lora").glob("*.yaml"),
+    *CONFIG_DIR.joinpath("speed").glob("*.yaml"),
+}
+CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - FRAGMENTS)
 
 
 class ParseOnly(AlignCLI):
@@ -57,3 +60,23 @@ def test_lora_preset_stacks_on_its_quickstart_stage(preset):
     assert args.lora.rank == 16 and args.export_dir == f"out/quickstart/{preset.stem}-lora"
     assert cli.config.trainer.logger.init_args.name == f"{preset.stem}-lora"
     assert args.policy == "out/quickstart/sft"
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "ppo"])
+def test_compile_preset_appends_its_callback_to_the_stage_callbacks(stage):
+    """configs/speed/compile.yaml adds CompileDecoder after the stage's own callbacks (none is lost)."""
+    base = ParseOnly(args=["--config", str(CONFIG_DIR / "quickstart" / f"{stage}.yaml")], run=False)
+    cli = ParseOnly(
+        args=[
+            "--config",
+            str(CONFIG_DIR / "quickstart" / f"{stage}.yaml"),
+            "--config",
+            str(CONFIG_DIR / "speed" / "compile.yaml"),
+        ],
+        run=False,
+    )
+    before = [c.class_path for c in base.config.trainer.callbacks or []]
+    after = [c.class_path for c in cli.config.trainer.callbacks]
+    assert after == [*before, "alignlit.callbacks.CompileDecoder"]
+    assert cli.config.trainer.callbacks[-1].init_args.backend == "inductor"
+    assert cli.config.model.class_path == base.config.model.class_path
