@@ -4,9 +4,12 @@ from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_met
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
 from alignlit.losses.policy_gradient import (
     LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
     LossAggregation,
+    PolicyLoss,
     policy_gradient_loss,
     register_aggregation,
+    register_policy_loss,
 )
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.losses.preference import (
@@ -30,10 +33,12 @@ from alignlit.losses.rrhf import rrhf_loss
 
 __all__ = [
     "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
     "BoundPreferenceLoss",
     "LossAggregation",
     "PairLogps",
+    "PolicyLoss",
     "PreferenceLoss",
     "Reduction",
     "ReferenceLogps",
@@ -51,6 +56,7 @@ __all__ = [
     "ppo_value_loss",
     "preference_loss",
     "register_aggregation",
+    "register_policy_loss",
     "register_preference_loss",
     "reward_metrics",
     "reward_model_loss",

@@ -1,12 +1,16 @@
-"""RL math on token tensors: masked statistics, GAE, group advantages, log-probs, KL estimators and controllers,
-rollout/trainer mismatch and DAPO sample filters (and their settings)."""
+"""RL math on token tensors: masked statistics, GAE, group and per-token advantages, log-probs, KL
+estimators and controllers, rollout/trainer mismatch and DAPO sample filters (and their settings)."""
 
 from alignlit.ops.advantages import (
     ADVANTAGE_ESTIMATORS,
+    TOKEN_ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    TokenAdvantageEstimator,
     group_advantages,
     register_advantage,
+    register_token_advantage,
     reinforce_pp_returns,
+    token_advantages,
 )
 from alignlit.ops.dapo import DynamicSampling, Overlong, informative_groups, overlong_mask, overlong_penalty
 from alignlit.ops.gae import gae
@@ -36,6 +40,7 @@ from alignlit.ops.stats import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "TOKEN_ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "AllReduce",
@@ -45,6 +50,7 @@ __all__ = [
     "Overlong",
     "RewardNorm",
     "RunningMoments",
+    "TokenAdvantageEstimator",
     "check_ndim",
     "check_same_shape",
     "entropy_from_logits",
@@ -67,8 +73,10 @@ __all__ = [
     "overlong_mask",
     "overlong_penalty",
     "register_advantage",
+    "register_token_advantage",
     "reinforce_pp_returns",
     "sequence_logprobs",
+    "token_advantages",
     "truncated_is_weights",
     "whiten",
 ]

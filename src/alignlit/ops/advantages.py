@@ -1,11 +1,16 @@
-"""Critic-free advantage estimators over groups of samples (algorithms.md §10).
+"""Advantage estimators: critic-free over groups of samples (algorithms.md §10) and per token (§12).
 
-A group is the ``n`` responses sampled for one prompt: ``rewards[i, j]`` is the sequence reward of
-prompt ``i``'s sample ``j``, shape (B, n), and every estimator returns one advantage per sample,
-shape (B, n), which the policy-gradient loss broadcasts over the sample's tokens. Estimators are
-small pure functions in :data:`ADVANTAGE_ESTIMATORS`, keyed by the name a config uses; research code
-adds one with :func:`register_advantage`. REINFORCE++ with its token-level KL penalty needs per-token
-inputs and is :func:`reinforce_pp_returns`.
+Two registries of small pure functions, keyed by the name a config uses (one name never in both):
+
+- group estimators, :data:`ADVANTAGE_ESTIMATORS` (add one with :func:`register_advantage`, call them
+  through :func:`group_advantages`): a group is the ``n`` responses sampled for one prompt,
+  ``rewards[i, j]`` the sequence reward of prompt ``i``'s sample ``j``, shape (B, n), and every
+  estimator returns one advantage per sample, shape (B, n), which the policy-gradient loss broadcasts
+  over the sample's tokens;
+- per-token estimators, :data:`TOKEN_ADVANTAGE_ESTIMATORS` (:func:`register_token_advantage`,
+  :func:`token_advantages`): per-token rewards (N, T), and a critic's values where the estimator uses
+  one, to per-token advantages and returns (N, T): PPO's GAE, discounted returns, REINFORCE++.
+  :func:`reinforce_pp_returns` builds REINFORCE++'s token rewards from sequence scores and token KL.
 
 Several data-parallel ranks: a group never spans ranks (a rank samples all ``n`` responses of its
 prompts), so the per-group estimators need nothing from the other ranks; statistics over the whole
@@ -16,6 +21,7 @@ global batch, as one process computes them on it.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 
@@ -31,27 +37,84 @@ estimator that takes statistics over the whole batch (not only over each group) 
 ``all_reduce: AllReduce | None = None`` and, when it is given, takes them over every rank's batch;
 :func:`group_advantages` passes it to the estimators whose signature has it."""
 
+TokenAdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``fn(token_rewards (N, T), values (N, T) | None, mask (N, T) bool, *, gamma: float, lam: float,
+all_reduce: AllReduce | None = None) -> (advantages (N, T), returns (N, T))``, both 0 at padding.
+
+:func:`token_advantages` calls it with finite float ``token_rewards`` that are 0 at padding, a
+right-padded ``mask``, ``γ, λ ∈ [0, 1]``, and ``values`` (the critic's ``V(s_t)``, finite, 0 at
+padding, of the rewards' dtype) or None. An estimator that needs a critic raises when ``values`` is
+None; one without a critic raises when values are given (a critic would be trained for nothing).
+``all_reduce`` (a sum over the data-parallel ranks; None in one process) is for statistics over the
+whole batch; an estimator that takes none ignores it."""
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 """Group advantage estimators by name (the value of ``estimator`` in :func:`group_advantages`)."""
 
-_PER_TOKEN_ESTIMATORS = {"reinforce_pp": "alignlit.ops.reinforce_pp_returns"}
+TOKEN_ADVANTAGE_ESTIMATORS: dict[str, TokenAdvantageEstimator] = {}
+"""Per-token advantage estimators by name (the value of ``estimator`` in :func:`token_advantages`)."""
+
+
+def _register(registry: dict, name: str) -> Callable:
+    def decorate(fn):
+        for kind, taken in (("group", ADVANTAGE_ESTIMATORS), ("per-token", TOKEN_ADVANTAGE_ESTIMATORS)):
+            if name in taken:
+                raise ValueError(f"advantage estimator {name!r} is already registered (a {kind} estimator)")
+        registry[name] = fn
+        return fn
+
+    return decorate
 
 
 def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator adding ``fn(rewards (B, n), *, eps) -> (B, n)`` to :data:`ADVANTAGE_ESTIMATORS` as ``name``
     (with an ``all_reduce`` keyword when it uses statistics of the whole batch, see :data:`AdvantageEstimator`).
 
-    Raises ``ValueError`` when ``name`` is already registered (a second estimator never silently
-    replaces the first).
+    Raises ``ValueError`` when ``name`` is already registered, as a group or a per-token estimator (a
+    second estimator never silently replaces the first).
     """
+    return _register(ADVANTAGE_ESTIMATORS, name)
 
-    def decorate(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS or name in _PER_TOKEN_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
 
-    return decorate
+def register_token_advantage(name: str) -> Callable[[TokenAdvantageEstimator], TokenAdvantageEstimator]:
+    """Decorator adding ``fn(token_rewards, values, mask, *, gamma, lam, all_reduce=None) -> (advantages,
+    returns)`` (see :data:`TokenAdvantageEstimator`) to :data:`TOKEN_ADVANTAGE_ESTIMATORS` as ``name``.
+
+    Raises ``ValueError`` when ``name`` is already registered, as a group or a per-token estimator.
+    """
+    return _register(TOKEN_ADVANTAGE_ESTIMATORS, name)
+
+
+def _unknown(name: object) -> ValueError:
+    names = [*ADVANTAGE_ESTIMATORS, *TOKEN_ADVANTAGE_ESTIMATORS]
+    close = difflib.get_close_matches(name, names, n=1) if isinstance(name, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(
+        f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)} (group "
+        f"estimators, alignlit.ops.group_advantages) or {sorted(TOKEN_ADVANTAGE_ESTIMATORS)} (per-token, "
+        f"alignlit.ops.token_advantages){hint} (or register one with alignlit.ops.register_advantage or "
+        "alignlit.ops.register_token_advantage)"
+    )
+
+
+# ---------------------------------------------------------------- group estimators
+
+
+def _centred(rewards: torch.Tensor) -> torch.Tensor:
+    """(B, n) ``r_ij - mean_j r_ij``, exactly 0 in a group whose rewards are all equal.
+
+    The mean is taken of the differences to the group's first reward, which are exactly 0 in such a
+    group. The float mean of equal values is not always that value (eight float32 0.1 average to
+    0.1 + 7e-9), and dividing that residue by the group's standard deviation, of the same tiny order,
+    would give advantages up to ±1 to a group that carries no signal.
+    """
+    shifted = rewards - rewards[:, :1]  # (B, n)
+    return shifted - shifted.mean(dim=1, keepdim=True)
+
+
+def _scaled(centred: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``centred / scale``, 0 where ``scale`` is 0 (no spread and ε = 0: 0/0 would be NaN)."""
+    return torch.where(scale > 0, centred / scale, torch.zeros_like(centred))
 
 
 @register_advantage("grpo")
@@ -59,17 +122,17 @@ def grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): ``A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + ε)``.
 
     The standard deviation is the population one (divide by ``n``) over the group; a group whose
-    rewards are all equal gets advantages 0.
+    rewards are all equal gets advantages exactly 0.
     """
-    mean = rewards.mean(dim=1, keepdim=True)  # (B, 1)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)  # (B, 1)
-    return (rewards - mean) / (std + eps)
+    centred = _centred(rewards)  # (B, n)
+    std = centred.pow(2).mean(dim=1, keepdim=True).sqrt()  # (B, 1)
+    return _scaled(centred, std + eps)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025): ``A_ij = r_ij - mean_j r_ij`` (no division by the group std)."""
-    return rewards - rewards.mean(dim=1, keepdim=True)
+    return _centred(rewards)
 
 
 @register_advantage("rloo")
@@ -78,15 +141,14 @@ def rloo_advantages(rewards: torch.Tensor, *, eps: float) -> torch.Tensor:
 
     The baseline of each sample is the mean reward of the other samples of its prompt (the
     leave-one-out baseline of Kool et al. 2019), so it does not depend on the sample itself.
-    Equal to ``n/(n-1)·(r_ij - mean_j r_ij)``; needs ``n ≥ 2``.
+    Computed as the equal ``n/(n-1)·(r_ij - mean_j r_ij)``; needs ``n ≥ 2``.
     """
     n = rewards.shape[1]
     if n < 2:
         raise ValueError(
             f"rloo needs at least 2 samples per prompt (rewards of shape (B, n >= 2)), got n={n}"
         )
-    leave_one_out = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)  # (B, n)
-    return rewards - leave_one_out
+    return _centred(rewards) * (n / (n - 1))
 
 
 @register_advantage("reinforce_pp_baseline")
@@ -100,12 +162,88 @@ def reinforce_pp_baseline_advantages(
     ``all_reduce`` (a sum over the data-parallel ranks) it is over the centred values of every rank
     (:func:`~alignlit.ops.stats.global_moments`, float64).
     """
-    centred = rewards - rewards.mean(dim=1, keepdim=True)  # (B, n)
+    centred = _centred(rewards)  # (B, n)
     if all_reduce is None:
-        return centred / (centred.std(unbiased=False) + eps)
+        return _scaled(centred, centred.std(unbiased=False) + eps)
     count, _, m2 = global_moments(centred, torch.ones_like(centred, dtype=torch.bool), all_reduce)
     std = (m2 / count).sqrt().to(centred.dtype)
-    return centred / (std + eps)
+    return _scaled(centred, std + eps)
+
+
+# ---------------------------------------------------------------- per-token estimators
+
+
+def _without_critic(name: str, values: torch.Tensor | None, lam: float) -> None:
+    if values is not None:
+        raise ValueError(f"advantage estimator {name!r} uses no critic, but values were given (use 'gae')")
+    if lam != 1.0:
+        raise ValueError(
+            f"advantage estimator {name!r} has no λ (without a critic V ≡ 0 and λ = 1), got lam={lam}"
+        )
+
+
+@register_token_advantage("gae")
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's generalised advantage estimates (Schulman et al. 2016; algorithms.md §4), :func:`~alignlit.ops.gae`:
+    ``δ_t = r_t + γ·V(s_{t+1}) - V(s_t)``, ``A_t = Σ_l (γλ)^l·δ_{t+l}``, returns ``A_t + V(s_t)``.
+
+    Needs the critic's values; the advantages are not whitened here (PPO does that on its batch, §4).
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs the critic's values, got values=None")
+    return gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+
+
+@register_token_advantage("returns")
+def discounted_returns(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted returns as advantages, no baseline (REINFORCE): ``A_t = G_t = Σ_{s≥t} γ^{s-t}·r_s``
+    over the response's valid tokens; GAE with ``V ≡ 0`` and ``λ = 1``. No critic, ``lam`` must be 1."""
+    _without_critic("returns", values, lam)
+    returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma=gamma, lam=1.0)  # (N, T)
+    return returns, returns.clone()
+
+
+@register_token_advantage("reinforce_pp")
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025; algorithms.md §10): the discounted returns ``G_t`` (``"returns"``),
+    whitened over the valid tokens of the batch, ``A = (G - mean) / sqrt(var + 1e-8)`` with the unbiased
+    variance (:func:`~alignlit.ops.whiten`); with ``all_reduce`` over those of every rank. Returns ``G``.
+
+    No critic, ``lam`` must be 1; at least 2 valid tokens (in one process; over all ranks with
+    ``all_reduce``), and a row without valid tokens gets 0 everywhere.
+    """
+    _without_critic("reinforce_pp", values, lam)
+    if all_reduce is None and int(mask.sum()) < 2:
+        raise ValueError(f"mask has {int(mask.sum())} valid token(s); whitening the returns needs at least 2")
+    _, returns = discounted_returns(token_rewards, None, mask, gamma=gamma, lam=1.0)  # (N, T)
+    return whiten(returns, mask, all_reduce=all_reduce), returns
+
+
+# ---------------------------------------------------------------- lookups
 
 
 def _as_float(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -124,6 +262,14 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
             f"{name} must be finite; found {int(bad.sum())} non-finite value(s), the first at index "
             f"{tuple(first)}: {tensor[tuple(first)].item()}"
         )
+
+
+def _on_valid(name: str, tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a float, 0 at padding (which may hold anything), checked finite at valid tokens."""
+    tensor = _as_float(name, tensor)
+    tensor = torch.where(valid, tensor, torch.zeros_like(tensor))
+    _check_finite(f"{name} (at valid tokens)", tensor)
+    return tensor
 
 
 def _takes_all_reduce(fn: AdvantageEstimator) -> bool:
@@ -156,7 +302,8 @@ def group_advantages(
             are those of the global batch; the per-group estimators do not need it. None: one process.
 
     Returns:
-        (B, n) advantages, same dtype as the (float) rewards.
+        (B, n) advantages, same dtype as the (float) rewards; exactly 0 for every sample of a group whose
+        rewards are all equal, with every built-in estimator.
     """
     check_ndim("rewards", rewards, 2, "(B, n)")
     if rewards.shape[0] == 0 or rewards.shape[1] == 0:
@@ -171,16 +318,14 @@ def group_advantages(
         fn = estimator
     elif estimator in ADVANTAGE_ESTIMATORS:
         fn = ADVANTAGE_ESTIMATORS[estimator]
-    elif estimator in _PER_TOKEN_ESTIMATORS:
+    elif estimator in TOKEN_ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"estimator {estimator!r} needs per-token KL and a token mask, not only (B, n) rewards; "
-            f"use {_PER_TOKEN_ESTIMATORS[estimator]}"
+            f"estimator {estimator!r} needs per-token KL or rewards and a token mask, not only (B, n) "
+            "rewards: it is a per-token estimator; use alignlit.ops.token_advantages (REINFORCE++ from "
+            "sequence scores and token KL: alignlit.ops.reinforce_pp_returns)"
         )
     else:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)} "
-            "(or register one with alignlit.ops.register_advantage)"
-        )
+        raise _unknown(estimator)
     if all_reduce is not None and _takes_all_reduce(fn):
         advantages = fn(rewards, eps=eps, all_reduce=all_reduce)
     else:
@@ -193,6 +338,69 @@ def group_advantages(
     return advantages
 
 
+def token_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    estimator: str | TokenAdvantageEstimator,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    all_reduce: AllReduce | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token advantages and returns from per-token rewards (algorithms.md §12).
+
+    Args:
+        token_rewards: (N, T) reward of each response token (e.g. :func:`alignlit.ops.kl_penalized_rewards`:
+            ``-β·kl_t``, plus the sequence reward on the last valid token); padding may hold anything.
+        mask: (N, T) 1 on response tokens; right-padded.
+        estimator: a name in :data:`TOKEN_ADVANTAGE_ESTIMATORS` (``"gae"``, ``"returns"``,
+            ``"reinforce_pp"``, or one added with :func:`register_token_advantage`), or such a function.
+        values: (N, T) critic values ``V(s_t)``, for the estimators that use a critic (``"gae"``); None
+            for the others.
+        gamma: discount ``γ ∈ [0, 1]``.
+        lam: GAE's ``λ ∈ [0, 1]``; the estimators without a critic take only ``λ = 1``.
+        all_reduce: with several data-parallel ranks, a sum over them
+            (:data:`~alignlit.ops.stats.AllReduce`), for the statistics an estimator takes over the whole
+            batch (``"reinforce_pp"``'s whitening). None: one process.
+
+    Returns:
+        ``(advantages, returns)``, both (N, T) and 0 at padding. Call it on detached tensors.
+    """
+    check_ndim("token_rewards", token_rewards, 2, "(N, T)")
+    check_same_shape(token_rewards=token_rewards, mask=mask)
+    if values is not None:
+        check_same_shape(token_rewards=token_rewards, values=values)
+    for name, value in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    valid = mask.bool()  # (N, T)
+    if (valid[:, 1:] & ~valid[:, :-1]).any():
+        raise ValueError("mask must be right-padded: found a valid token after a padding position")
+    if callable(estimator):
+        fn = estimator
+    elif estimator in TOKEN_ADVANTAGE_ESTIMATORS:
+        fn = TOKEN_ADVANTAGE_ESTIMATORS[estimator]
+    elif estimator in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"advantage estimator {estimator!r} is a group estimator: it takes (B, n) sequence rewards; "
+            "use alignlit.ops.group_advantages"
+        )
+    else:
+        raise _unknown(estimator)
+    rewards = _on_valid("token_rewards", token_rewards, valid)  # (N, T)
+    if values is not None:
+        values = _on_valid("values", values.to(rewards.dtype), valid)  # (N, T)
+    advantages, returns = fn(rewards, values, valid, gamma=gamma, lam=lam, all_reduce=all_reduce)
+    for name, out in (("advantages", advantages), ("returns", returns)):
+        if out.shape != rewards.shape:
+            raise ValueError(
+                f"advantage estimator {estimator!r} returned {name} of shape {tuple(out.shape)}, expected "
+                f"the shape of token_rewards {tuple(rewards.shape)}"
+            )
+    return advantages, returns
+
+
 def reinforce_pp_returns(
     scores: torch.Tensor,
     kl: torch.Tensor,
@@ -202,15 +410,14 @@ def reinforce_pp_returns(
     gamma: float = 1.0,
     all_reduce: AllReduce | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ token advantages (Hu et al. 2025; algorithms.md §10): KL-shaped returns, whitened.
+    """REINFORCE++ token advantages (Hu et al. 2025; algorithms.md §10) from sequence scores and token KL.
 
     Token rewards ``r_t = -β·kl_t`` on every response token, plus the sequence reward ``R`` on the
-    last valid token; returns ``G_t = Σ_{s≥t} γ^{s-t}·r_s`` over the sample's valid tokens (no critic,
-    no bootstrapping); advantages are ``G`` whitened over all valid tokens of the batch,
-    ``(G - mean) / sqrt(var + 1e-8)`` with the unbiased variance (:func:`alignlit.ops.whiten`). The
-    token rewards are PPO's (:func:`alignlit.ops.kl_penalized_rewards`) and the returns are GAE with
-    ``V ≡ 0`` and ``λ = 1``, so :func:`alignlit.ops.gae` computes them. A row without valid tokens
-    (no response token to carry its score) gets advantages 0 everywhere.
+    last valid token (PPO's, :func:`alignlit.ops.kl_penalized_rewards`), then the ``"reinforce_pp"``
+    per-token estimator (:func:`token_advantages`): returns ``G_t = Σ_{s≥t} γ^{s-t}·r_s`` over the
+    sample's valid tokens (no critic, no bootstrapping), whitened over all valid tokens of the batch,
+    ``(G - mean) / sqrt(var + 1e-8)`` with the unbiased variance. A row without valid tokens (no
+    response token to carry its score) gets advantages 0 everywhere.
 
     Args:
         scores: (N,) sequence rewards ``R`` (e.g. the reward model's score, normalised or not).
@@ -234,18 +441,12 @@ def reinforce_pp_returns(
         raise ValueError(f"scores has {scores.shape[0]} rows but kl has {kl.shape[0]}; they must be equal")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     valid = mask.bool()  # (N, T)
-    if all_reduce is None and int(valid.sum()) < 2:
-        raise ValueError(
-            f"mask has {int(valid.sum())} valid token(s); whitening the returns needs at least 2"
-        )
-    kl = _as_float("kl", kl)
+    kl = _on_valid("kl", kl, valid)  # (N, T)
     scores = _as_float("scores", scores).to(kl.dtype)
     _check_finite("scores", scores)
-    kl = torch.where(valid, kl, torch.zeros_like(kl))  # (N, T), padding may hold anything
-    _check_finite("kl (at valid tokens)", kl)
     rewards = kl_penalized_rewards(scores, kl, valid, kl_coef=kl_coef)  # (N, T)
-    returns, _ = gae(rewards, torch.zeros_like(rewards), valid, gamma=gamma, lam=1.0)  # (N, T)
-    return whiten(returns, valid, all_reduce=all_reduce)
+    advantages, _ = token_advantages(
+        rewards, valid, estimator="reinforce_pp", gamma=gamma, all_reduce=all_reduce
+    )
+    return advantages
