@@ -41,7 +41,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from alignlit.models import forward
+from alignlit.models.forward import token_logprobs
+from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
 
 
@@ -114,10 +115,9 @@ def head_part(model, ids, attention, loss, *, fused: bool, entropy: bool):
                 hidden[rows, cols], head.weight, labels[rows, cols], with_entropy=entropy
             )
         else:
-            out = forward._scored(
+            lp, ent = logits_scored(
                 head(hidden), labels, mask, temperature=1.0, with_entropy=entropy, entropy_grad=True
             )
-            lp, ent = out.logprobs, out.entropy
         total = lp.sum() + (ent.sum() if ent is not None else 0)
         total.backward()
 
@@ -127,7 +127,7 @@ def head_part(model, ids, attention, loss, *, fused: bool, entropy: bool):
 def whole_step(model, ids, attention, loss, *, fused: bool, entropy: bool):
     def run():
         model.zero_grad(set_to_none=True)
-        out = forward.token_logprobs(
+        out = token_logprobs(
             model, ids, attention, loss, with_entropy=entropy, fused_head=fused, packing=False
         )
         total = out.logprobs.sum() + (out.entropy.sum() if out.entropy is not None else 0)

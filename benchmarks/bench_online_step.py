@@ -46,7 +46,7 @@ import lightning as L
 import torch
 
 from alignlit.models import export_pretrained, make_tiny_llama
-from alignlit.models import forward as fwd
+from alignlit.models.forward_settings import use_forward_settings
 from alignlit.rollout import HFEngine, RolloutLoop, SamplingParams
 
 STAGES = ("ppo", "grpo")
@@ -184,7 +184,7 @@ def interleaved_parts(module, stage: str, experience, args) -> dict[str, dict[st
     }
     for _ in range(args.interleaved):
         for path, settings in (("after", {}), ("before", BEFORE)):
-            with fwd.use_forward_settings(**settings):
+            with use_forward_settings(**settings):
                 start = time.perf_counter()
                 if stage == "ppo":
                     batch, _ = module.make_experience(experience.rollout, experience.rewards)
@@ -300,7 +300,7 @@ def main() -> None:
                     continue
                 paths = [("after", {})] + ([] if args.no_before else [("before", BEFORE)])
                 for path, settings in paths:
-                    with fwd.use_forward_settings(**settings):
+                    with use_forward_settings(**settings):
                         result = run_stage(
                             stage, engine, Path(tmp), prompts, args, interleave=path == "after"
                         )

@@ -241,7 +241,7 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
     from alignlit.data.encoding import Encoded, collate_lm
     from alignlit.data.preference import PairExample, collate_preference
     from alignlit.data.processing import Pair
-    from alignlit.models import forward
+    from alignlit.models.forward_settings import use_forward_settings
     from alignlit.modules import DPOModule, Optim, RewardModule, SFTModule
 
     optim = Optim(
@@ -320,7 +320,7 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
         ],  # --compile: as a user switches it on
     )
     settings = {"packing": not args.no_packing, "fused_head": not args.no_fused_head}
-    with forward.use_forward_settings(**settings):
+    with use_forward_settings(**settings):
         trainer.fit(module, datamodule=Data(str(root / "pairs.json")))
     return clock.result()
 

@@ -13,9 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from alignlit.models import export_pretrained, make_tiny_llama
+from alignlit.models import batch_layout, export_pretrained, make_tiny_llama, packing
 from alignlit.models import forward as fwd
+from alignlit.models.dispatch import CHECKPOINTING, plan_forward
+from alignlit.models.forward_settings import ForwardSettings, forward_settings, use_forward_settings
 from alignlit.models.loading import load_scalar_model
+from alignlit.models.support import ForwardSupport, forward_support, probe_packing
 from tests.conftest import TINY
 
 # a preference-like batch: rows [0, 3) chosen, [3, 6) rejected; row 6 has nothing to score
@@ -103,7 +106,7 @@ def assert_same(naive, naive_grads, fast, fast_grads, *, dtype):
 
 
 def test_a_hugging_face_llama_takes_both_fast_paths(model):
-    assert fwd.forward_support(model) == fwd.ForwardSupport(fused_head=None, packing=None)
+    assert forward_support(model) == ForwardSupport(fused_head=None, packing=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -154,7 +157,7 @@ def test_packing_layout_by_hand():
     prompt and itself, not to a's 3 4; group c is padded to the longest group (5 tokens), its padding
     slots repeating its last token (index 6) and seeing only themselves."""
     ids, attention, loss = right_padded([[1, 2, 3, 4], [1, 2, 5], [7, 8]], [2, 2, 1])
-    packed = fwd._pack(ids, attention, fwd._prompt_lengths(attention, loss))
+    packed = packing.pack(ids, attention, packing.prompt_lengths(attention, loss))
     assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 7, 8]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
     assert packed.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, -1], [5, 6, -1, -1]]
@@ -180,7 +183,7 @@ def test_packing_layout_by_hand():
 def test_gradient_checkpointing_turns_packing_off(tokenizer):
     model = make_tiny_llama(tokenizer, seed=0, **TINY)
     model.gradient_checkpointing_enable()
-    assert "gradient checkpointing" in fwd._packing_reason(model, True)
+    assert "gradient checkpointing" in plan_forward(model, packing=True).reason
     ids, attention, loss = pair_batch()
     model.train()
     naive = fwd.token_logprobs(model, ids, attention, loss, fused_head=False).logprobs
@@ -190,7 +193,7 @@ def test_gradient_checkpointing_turns_packing_off(tokenizer):
 def test_grouped_attention_refuses_to_run_outside_a_packed_forward():
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(RuntimeError, match="only inside alignlit's packed forwards"):
-        fwd._grouped_attention(None, q, q, q, None)
+        packing.grouped_attention(None, q, q, q, None)
 
 
 def test_values_and_scores_packed_equal_the_scalar_models_own(tmp_path, tokenizer):
@@ -217,10 +220,10 @@ def test_values_and_scores_packed_equal_the_scalar_models_own(tmp_path, tokenize
 
 
 def test_settings_switch_and_restore(model):
-    assert fwd.forward_settings() == fwd.ForwardSettings()
-    with fwd.use_forward_settings(packing=False) as settings:
-        assert settings.packing is False and fwd.forward_settings().fused_head is True
-    assert fwd.forward_settings() == fwd.ForwardSettings()
+    assert forward_settings() == ForwardSettings()
+    with use_forward_settings(packing=False) as settings:
+        assert settings.packing is False and forward_settings().fused_head is True
+    assert forward_settings() == ForwardSettings()
 
 
 class Wrapped(nn.Module):
@@ -239,33 +242,33 @@ def test_models_without_the_standard_parts_use_their_full_logits(model, tokenize
     naive = fwd.token_logprobs(model, ids, attention, loss, fused_head=False).logprobs
 
     wrapped = Wrapped(model)
-    support = fwd.forward_support(wrapped)
+    support = forward_support(wrapped)
     assert "not a Hugging Face causal LM" in support.fused_head and support.packing == support.fused_head
     torch.testing.assert_close(fwd.token_logprobs(wrapped, ids, attention, loss).logprobs, naive)
 
     scaled = make_tiny_llama(tokenizer, seed=0, **TINY)
     scaled.config.logits_scaling = 2.0
-    assert "rescales its logits (logits_scaling)" in fwd.forward_support(scaled).fused_head
+    assert "rescales its logits (logits_scaling)" in forward_support(scaled).fused_head
 
     wrapped_head = make_tiny_llama(tokenizer, seed=0, **TINY)
     wrapped_head.lm_head = Wrapped(wrapped_head.lm_head)
     wrapped_head.lm_head.weight = wrapped_head.lm_head.inner.weight
-    assert "the LM head is a Wrapped, not a plain nn.Linear" in fwd.forward_support(wrapped_head).fused_head
+    assert "the LM head is a Wrapped, not a plain nn.Linear" in forward_support(wrapped_head).fused_head
 
     sharded = make_tiny_llama(tokenizer, seed=0, **TINY)
-    monkeypatch.setattr(fwd, "_is_dtensor", lambda t: t is sharded.lm_head.weight)
-    assert "DTensor" in fwd.forward_support(sharded).fused_head
+    monkeypatch.setattr("alignlit.models.support._is_dtensor", lambda t: t is sharded.lm_head.weight)
+    assert "DTensor" in forward_support(sharded).fused_head
     torch.testing.assert_close(fwd.token_logprobs(sharded, ids, attention, loss).logprobs, naive)
 
 
 def test_sliding_window_and_flash_attention_models_do_not_pack(tokenizer):
     windowed = make_tiny_llama(tokenizer, seed=0, **TINY)
     windowed.config.sliding_window = 4
-    support = fwd.forward_support(windowed)
+    support = forward_support(windowed)
     assert support.fused_head is None and "sliding-window" in support.packing
 
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
-    assert "packing replaces 'sdpa' or 'eager' attention only" in fwd._probe_packing(flash, backbone=None)
+    assert "packing replaces 'sdpa' or 'eager' attention only" in probe_packing(flash, backbone=None)
 
 
 def test_a_model_whose_logits_are_not_its_head_of_its_decoder_is_detected(tokenizer):
@@ -278,7 +281,7 @@ def test_a_model_whose_logits_are_not_its_head_of_its_decoder_is_detected(tokeni
         return out
 
     model.forward = shifted
-    assert "not its LM head applied" in fwd.forward_support(model).fused_head
+    assert "not its LM head applied" in forward_support(model).fused_head
 
 
 def test_token_nll_is_the_masked_nll_of_the_full_logits(model):
@@ -292,3 +295,48 @@ def test_token_nll_is_the_masked_nll_of_the_full_logits(model):
     assert int(metrics["tokens"]) == int(expected_metrics["tokens"]) == 11  # 2+1+3 chosen, 1+3+1 rejected
     torch.testing.assert_close(metrics["ppl"], expected_metrics["ppl"], atol=1e-5, rtol=1e-6)
     assert not metrics["nll"].requires_grad
+
+
+def test_one_dispatcher_chooses_fused_head_and_packing_and_says_why(model):
+    plan = plan_forward(model)
+    assert (plan.direct, plan.packed, plan.reason) == (True, True, None)
+    assert plan.backbone is model.get_decoder() and plan.head is model.get_output_embeddings()
+    plan = plan_forward(model, fused_head=False)
+    assert (plan.direct, plan.packed, plan.reason) == (False, False, "the fused head is off")
+    with use_forward_settings(packing=False):
+        plan = plan_forward(model)
+    assert (plan.direct, plan.packed, plan.reason) == (True, False, "packing is off")
+    plan = plan_forward(model, layout=lambda: "the rows are not right-padded")
+    assert (plan.direct, plan.packed, plan.reason) == (True, False, "the rows are not right-padded")
+    looked = []
+    plan_forward(model, packing=False, layout=lambda: looked.append(True))
+    assert not looked  # the batch is looked at only when everything else allows packing
+    plan = plan_forward(Wrapped(model))
+    assert not plan.direct and "not a Hugging Face causal LM" in plan.reason
+
+
+def test_the_dispatcher_runs_a_scalar_model_directly_only_when_it_packs(tmp_path, tokenizer):
+    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, tmp_path / "lm", stage="init")
+    critic, _ = load_scalar_model(tmp_path / "lm")
+    plan = plan_forward(critic, scalar=True, fused_head=False)  # no vocabulary to fuse: fused_head ignored
+    assert (plan.direct, plan.packed, plan.reason) == (True, True, None)
+    assert plan.head is critic.hf_model.score
+    assert plan_forward(critic, scalar=True, packing=False).reason == "packing is off"
+    critic.hf_model.gradient_checkpointing_enable()
+    plan = plan_forward(critic, scalar=True)
+    assert (plan.direct, plan.reason) == (False, CHECKPOINTING)
+    assert "not a scalar-head decoder" in plan_forward(Wrapped(critic), scalar=True).reason
+
+
+def test_response_rows_with_a_gap_are_not_packed(model):
+    prompt_ids, prompt_mask, response_ids, response_mask = rollout_batch()
+    response_mask[0] = torch.tensor([1, 0, 1])  # token 2 would be predicted from a padding column
+    _, attention = batch_layout.concat_response(prompt_ids, prompt_mask, response_ids, response_mask)
+    predictor = batch_layout.response_predictor(prompt_ids.shape[1], response_ids)
+    reason = batch_layout.response_reason(attention, predictor, response_mask.bool())
+    assert reason == "a response token follows a padding token"
+    batch = (prompt_ids, prompt_mask, response_ids, response_mask)
+    naive = fwd.response_token_logprobs(model, *batch, fused_head=False).logprobs
+    torch.testing.assert_close(
+        fwd.response_token_logprobs(model, *batch).logprobs, naive, atol=1e-6, rtol=1e-6
+    )

@@ -11,7 +11,8 @@ import torch
 
 from alignlit.data import PromptDataModule
 from alignlit.models import export_pretrained, load_policy, make_tiny_llama
-from alignlit.models.forward import disable_dropout, response_logprobs
+from alignlit.models.forward import response_logprobs
+from alignlit.models.modes import disable_dropout
 from alignlit.modules import PPOModule
 from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
 from alignlit.rollout.reward import resolve_reward

@@ -46,7 +46,7 @@ class ExportDirCheck(Callback):
 
 class CompileDecoder(Callback):
     """``torch.compile`` the decoder of the stage's trained model (its ``export_model()``: the policy, or
-    the reward model) before fit, with :func:`alignlit.models.forward.compile_decoder`; ``backend``,
+    the reward model) before fit, with :func:`alignlit.models.modes.compile_decoder`; ``backend``,
     ``mode`` and ``dynamic`` go to ``torch.compile`` (``dynamic=True``: packed batches change shape every
     step).
 
@@ -66,7 +66,7 @@ class CompileDecoder(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        from alignlit.models.forward import compile_decoder
+        from alignlit.models.modes import compile_decoder
 
         export_model = getattr(pl_module, "export_model", None)
         if not callable(export_model):

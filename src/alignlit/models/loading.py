@@ -19,8 +19,8 @@ from transformers import (
 
 from alignlit.data.tokenizer import load_tokenizer
 from alignlit.models.export import interrupted_export_message, read_metadata
-from alignlit.models.forward import disable_dropout
 from alignlit.models.lora import adapter_base, is_adapter_dir, load_adapter_export
+from alignlit.models.modes import disable_dropout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,7 +40,7 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
 
     HF checkpoints only in train mode, and ``from_pretrained`` returns eval mode, in which some stages
     train (dropout off): the model is put in train mode with every dropout off
-    (:func:`~alignlit.models.forward.disable_dropout`), the same function as before."""
+    (:func:`~alignlit.models.modes.disable_dropout`), the same function as before."""
     hf = getattr(model, "hf_model", model)
     if not getattr(hf, "supports_gradient_checkpointing", False):
         raise ValueError(f"gradient_checkpointing: {type(hf).__name__} does not support it")

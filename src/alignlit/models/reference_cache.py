@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from alignlit.losses.preference_registry import ReferenceLogps
-from alignlit.models.forward import eval_mode, token_logprobs
+from alignlit.models.forward import token_logprobs
+from alignlit.models.modes import eval_mode
 
 CACHE_DIRNAME = ".alignlit_cache"
 """Default cache directory, next to the training data file."""

@@ -12,9 +12,9 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.losses import PreferenceLoss
-from alignlit.models.forward import disable_dropout
 from alignlit.models.loading import check_dtype, load_policy
 from alignlit.models.lora import AdapterDisabled, LoRA
+from alignlit.models.modes import disable_dropout
 from alignlit.models.reference_cache import (
     ReferenceCache,
     cache_file,

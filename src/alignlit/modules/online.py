@@ -29,9 +29,10 @@ import torch
 
 from alignlit.data.sampler import data_parallel_rank
 from alignlit.data.sft import SFTDataModule
-from alignlit.models.forward import disable_dropout, eval_mode, response_logprobs
+from alignlit.models.forward import response_logprobs
 from alignlit.models.loading import DTYPES, check_dtype, load_policy
 from alignlit.models.lora import AdapterDisabled, LoRA
+from alignlit.models.modes import disable_dropout, eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.modules.online_parts import (

@@ -15,7 +15,8 @@ import torch
 from alignlit.data.encoding import Encoded, Truncation, pad_right
 from alignlit.data.records import read_records
 from alignlit.losses import rrhf_loss
-from alignlit.models.forward import eval_mode, response_logprobs, token_logprobs
+from alignlit.models.forward import response_logprobs, token_logprobs
+from alignlit.models.modes import eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import KLPenalty, OnlineModule
 from alignlit.modules.online_dpo import length_metrics

@@ -24,7 +24,8 @@ import torch
 
 from alignlit.checks import resolve_registered
 from alignlit.losses.policy_gradient import LOSS_AGGREGATIONS, policy_gradient_loss
-from alignlit.models.forward import eval_mode, response_logprobs, response_token_logprobs
+from alignlit.models.forward import response_logprobs, response_token_logprobs
+from alignlit.models.modes import eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import KLPenalty, OnlineModule
 from alignlit.modules.online_parts import UpdateBatch, mean_metrics

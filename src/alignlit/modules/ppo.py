@@ -18,13 +18,12 @@ import torch
 from alignlit.eval.plots import PPO_PANELS
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.models.forward import (
-    disable_dropout,
-    eval_mode,
     response_logprobs,
     response_token_logprobs,
     response_values,
 )
 from alignlit.models.loading import load_scalar_model
+from alignlit.models.modes import disable_dropout, eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import Optim, check_finite
 from alignlit.modules.online import KLPenalty, OnlineModule, TrainedModel

@@ -25,7 +25,8 @@ from alignlit.losses import (
     preference_loss,
     rpo_sft_term,
 )
-from alignlit.models.forward import eval_mode, token_logprobs
+from alignlit.models.forward import token_logprobs
+from alignlit.models.modes import eval_mode
 from alignlit.models.reference_cache import ReferenceCache
 
 NO_REFERENCE = "none"
@@ -53,7 +54,7 @@ class PreferenceObjective:
     plus ``sft_weight·mean_b NLL(y_w)/|y_w|``; ``metrics`` (detached) the loss's own (``rewards/*``,
     ``logps/*``), ``loss`` (the total), and with ``sft_weight > 0`` ``sft_loss`` and
     ``preference_loss``. Models should have dropout off
-    (:func:`~alignlit.models.forward.disable_dropout`), so that the policy's log-probs equal the
+    (:func:`~alignlit.models.modes.disable_dropout`), so that the policy's log-probs equal the
     reference's when their weights are equal.
 
     Args:

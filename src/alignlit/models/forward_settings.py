@@ -1,0 +1,55 @@
+"""How the forward functions of :mod:`alignlit.models.forward` run a model: :class:`ForwardSettings`.
+
+The settings are a context variable: :func:`use_forward_settings` changes them for a block, and
+the ``fused_head`` / ``packing`` arguments of each forward function override them for a call.
+The values computed are the same either way; only time and memory change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """How the functions of :mod:`alignlit.models.forward` run a model (the results are the same either way).
+
+    Attributes:
+        fused_head: compute log-probs (and entropies) from the final hidden states with the LM head
+            fused in, chunk by chunk (:func:`~alignlit.ops.logprobs.linear_logprobs`), for the scored
+            positions only: no ``(N, T, V)`` logits. Off: the model's full logits, then log-probs.
+        packing: padding-free forwards: the real tokens of the batch go through the decoder as one
+            sequence without padding (positions restart for every row), and rows that share a
+            prompt (a preference pair, the ``n`` samples of a prompt) hold it once, which each of
+            their responses attends to. Attention runs per group of rows sharing a prompt
+            (:func:`~alignlit.models.packing.grouped_attention`), so its cost is that of the padded
+            batch. Needs ``fused_head`` for causal LMs (the decoder is called directly).
+    """
+
+    fused_head: bool = True
+    packing: bool = True
+
+
+_DEFAULT_SETTINGS = ForwardSettings()
+_SETTINGS: ContextVar[ForwardSettings | None] = ContextVar("alignlit_forward_settings", default=None)
+
+
+def forward_settings() -> ForwardSettings:
+    """The :class:`ForwardSettings` in effect."""
+    return _SETTINGS.get() or _DEFAULT_SETTINGS
+
+
+@contextmanager
+def use_forward_settings(**changes) -> Iterator[ForwardSettings]:
+    """Run the block with some :class:`ForwardSettings` fields changed, e.g.
+    ``with use_forward_settings(packing=False): ...``; restores the previous settings afterwards."""
+    settings = dataclasses.replace(forward_settings(), **changes)
+    token = _SETTINGS.set(settings)
+    try:
+        yield settings
+    finally:
+        _SETTINGS.reset(token)
