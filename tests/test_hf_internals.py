@@ -48,9 +48,10 @@ def test_a_config_without_the_attribute_is_named(monkeypatch):
     monkeypatch.delattr(config, "_attn_implementation_internal")
     with (
         pytest.raises(TransformersInternalsChanged, match=r"config\._attn_implementation_internal"),
-        hf_internals.use_attention(config, "sdpa", lambda *a, **k: None),
+        hf_internals.use_attention(config, "alignlit_test", lambda *a, **k: None),
     ):
         pass
+    assert "alignlit_test" not in transformers.AttentionInterface()  # checked before registering anything
 
 
 def test_a_4d_mask_rebuilt_by_transformers_is_named(monkeypatch):

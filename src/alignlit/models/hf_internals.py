@@ -75,13 +75,13 @@ def use_attention(config, name: str, fn: Callable) -> Iterator[None]:
     Registers ``fn`` under ``name`` on first use, sets ``name`` as the attention implementation of
     ``config`` (and its text sub-config) and restores the previous one afterwards.
     """
-    if name not in _REGISTERED:
-        _register(name, fn)
-        _REGISTERED.add(name)
     configs = _configs(config)
     for c in configs:
         if _INTERNAL not in vars(c):
             raise _changed(f"config.{_INTERNAL}", f"{type(c).__name__} has no such attribute")
+    if name not in _REGISTERED:
+        _register(name, fn)
+        _REGISTERED.add(name)
     previous = [getattr(c, _INTERNAL) for c in configs]
     try:
         for c in configs:
