@@ -184,7 +184,7 @@ def online_rrhf(args) -> dict:
     work = Path(args.out) / "online-rrhf"
     argv = [
         *online_common(work, args, "online-rrhf.yaml"), f"--data.init_args.batch_size={args.rrhf_prompts}", f"--trainer.limit_train_batches={args.rrhf_resamples}",
-        f"--trainer.val_check_interval={max(1, args.rrhf_resamples // 4)}", f"--model.init_args.resample_every={args.resample_every}",
+        f"--trainer.val_check_interval={max(1, args.rrhf_resamples // 4)}", f"--model.init_args.minibatches.steps={args.resample_every}",
         "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
     ]  # fmt: skip
     return {**fit(work, argv, args), "history": json.loads((work / "curves.json").read_text())}

@@ -95,23 +95,21 @@ class RolloutClock(L.Callback):
 
 
 def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, interleave: bool) -> dict:
-    from alignlit.modules import Optim, PolicyGradientModule, PPOModule
+    from alignlit.modules import Minibatches, Optim, PolicyGradientModule, PPOModule
 
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     common = dict(
         policy=str(root / "policy"), reward=str(root / "reward"), optim=Optim(lr=1e-5, min_lr_ratio=1.0)
     )
     if stage == "ppo":
-        rollout = RolloutLoop(
-            engine=engine, sampling=sampling, samples_per_prompt=1, epochs=2, minibatch_size=16
-        )
-        module = PPOModule(rollout=rollout, **common)
+        rollout = RolloutLoop(engine=engine, sampling=sampling, samples_per_prompt=1)
+        module = PPOModule(rollout=rollout, minibatches=Minibatches(size=16, epochs=2), **common)
         batch = args.prompts
     else:
-        rollout = RolloutLoop(
-            engine=engine, sampling=sampling, samples_per_prompt=args.group, epochs=1, minibatch_size=16
+        rollout = RolloutLoop(engine=engine, sampling=sampling, samples_per_prompt=args.group)
+        module = PolicyGradientModule(
+            advantage="grpo", kl_loss_coef=0.01, rollout=rollout, minibatches=Minibatches(size=16), **common
         )
-        module = PolicyGradientModule(advantage="grpo", kl_loss_coef=0.01, rollout=rollout, **common)
         batch = args.prompts // args.group
 
     last: dict[str, object] = {}
@@ -176,8 +174,8 @@ BEFORE = {"fused_head": False, "packing": False}
 
 def interleaved_parts(module, stage: str, experience, args) -> dict[str, dict[str, float]]:
     """The parts the forward path drives, on the last rollout, alternating after/before settings:
-    ``experience`` (old and reference log-probs, values, advantages: ``make_experience`` /
-    ``make_batch``) and ``update`` (forward and backward of the losses on the whole batch, no
+    ``experience`` (the trajectory's old and reference log-probs, then the stage's values and advantages:
+    ``make_trajectory`` + ``advantages``) and ``update`` (forward and backward of the losses on the whole batch, no
     optimizer step). Medians of ``--interleaved`` alternations, each path once per alternation."""
     times: dict[str, dict[str, list[float]]] = {
         p: {"experience": [], "update": []} for p in ("after", "before")
@@ -186,10 +184,9 @@ def interleaved_parts(module, stage: str, experience, args) -> dict[str, dict[st
         for path, settings in (("after", {}), ("before", BEFORE)):
             with use_forward_settings(**settings):
                 start = time.perf_counter()
-                if stage == "ppo":
-                    batch, _ = module.make_experience(experience.rollout, experience.rewards)
-                else:
-                    batch, _ = module.make_batch(experience.rollout, experience.rewards)
+                batch, _ = module.make_trajectory(experience)
+                module.advantages(batch)
+                batch = module.trainable(batch)
                 middle = time.perf_counter()
                 module.zero_grad(set_to_none=True)
                 losses = (

@@ -110,6 +110,8 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
     from alignlit.models.lora import LoRA
     from alignlit.modules import (
         DPOModule,
+        KLPenalty,
+        Minibatches,
         Optim,
         PairwisePrefModule,
         PolicyGradientModule,
@@ -117,7 +119,6 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
         RewardModule,
         RRHFModule,
     )
-    from alignlit.modules.online import KLPenalty
     from alignlit.rollout import RolloutLoop, SamplingParams
 
     policy = str(work / "policy")
@@ -159,7 +160,7 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
         module = PPOModule(
             policy, reward=str(work / "rm") if sharded else length_reward, optim=optim, critic_optim=optim,
             kl=KLPenalty(coef=0.2, target=0.01, horizon=4), reference=str(work / "reference"),
-            rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2), shard_frozen=sharded,
+            rollout=RolloutLoop(sampling=greedy), minibatches=Minibatches(size=64, epochs=2), shard_frozen=sharded,
         )  # fmt: skip
         return module, prompts
     if stage == "ppo_vllm":  # one vLLM engine on rank 0 serves every rank; parity checked on every share
@@ -167,29 +168,30 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
             policy, reward=length_reward, optim=optim, critic_optim=optim,
             kl=KLPenalty(coef=0.2, target=0.01, horizon=4), reference=str(work / "reference"),
             rollout=RolloutLoop(
-                engine="vllm", sampling=SamplingParams(temperature=1.0, max_new_tokens=4), minibatch_size=64,
-                epochs=2, parity_every=1, parity_tol=1e-3, vllm_args={"max_model_len": 128},
+                engine="vllm", sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
+                parity_every=1, parity_tol=1e-3, vllm_args={"max_model_len": 128},
             ),
+            minibatches=Minibatches(size=64, epochs=2),
         )  # fmt: skip
         return module, prompts
     if stage == "ppo_lora":  # adapters on the policy and the critic; the reference is the policy's base
         module = PPOModule(
             policy, reward=length_reward, optim=optim, critic_optim=optim, lora=LoRA(rank=4),
-            rollout=RolloutLoop(sampling=greedy, minibatch_size=64, epochs=2),
+            rollout=RolloutLoop(sampling=greedy), minibatches=Minibatches(size=64, epochs=2),
         )  # fmt: skip
         return module, prompts
     if stage == "grpo":
         module = PolicyGradientModule(
             policy, reward=length_reward, advantage="grpo", optim=optim, kl_loss_coef=0.5,
             reference=str(work / "reference"),
-            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=2, minibatch_size=64),
+            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=2), minibatches=Minibatches(size=64),
         )  # fmt: skip
         return module, prompts
     if stage == "reinforce_pp_kl":  # whitening over the global batch, KL coefficient over its responses
         module = PolicyGradientModule(
             policy, reward=length_reward, advantage="reinforce_pp", optim=optim, reference=str(work / "reference"),
             kl=KLPenalty(coef=0.2, target=0.01, horizon=4), aggregation="seq_mean_token_sum_norm",
-            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=1, minibatch_size=64, epochs=2),
+            rollout=RolloutLoop(sampling=greedy, samples_per_prompt=1), minibatches=Minibatches(size=64, epochs=2),
         )  # fmt: skip
         return module, prompts
     raise ValueError(f"unknown stage {stage!r}")

@@ -23,8 +23,16 @@ class ParseOnly(AlignCLI):
         pass
 
 
-def test_configs_exist():
-    assert len(CONFIGS) >= 1
+def test_every_quickstart_config_has_a_paper_twin_and_every_yaml_a_test():
+    """Each quickstart stage has its longer twin under configs/paper/ (and back), and every YAML under
+    configs/ is a stage config (parsed below) or a fragment of a folder whose tests stack it on a stage."""
+    quickstart = {p.name for p in CONFIG_DIR.joinpath("quickstart").glob("*.yaml")}
+    paper = {p.name for p in CONFIG_DIR.joinpath("paper").glob("*.yaml")}
+    assert quickstart == paper, f"without a twin: {sorted(quickstart ^ paper)}"
+    fragment_folders = {"strategies", "lora", "speed"}
+    for path in CONFIG_DIR.rglob("*.yaml"):
+        folder = path.relative_to(CONFIG_DIR).parts[0]
+        assert (path in CONFIGS) != (folder in fragment_folders), f"{path}: a stage config or a known fragment"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))

@@ -1,7 +1,8 @@
-"""The import-linter layers contract of pyproject.toml holds, and it catches an upward import.
+"""The import-linter contracts of pyproject.toml hold, and each catches what it forbids.
 
-``nox -s lint`` runs ``lint-imports`` on the tree; here the contract is also run on a copy of the
-package with one import that breaks the layering added, to show that such an import fails it.
+``nox -s lint`` runs ``lint-imports`` on the tree; here the contracts are also run on a copy of the
+package with one change that breaks them: an upward import (layers), a new top-level module no layer
+names (the layers contract is exhaustive), a stage importing another stage (independence).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def lint_imports_available():
 def test_layers_contract_is_kept(lint_imports_available, tmp_path):
     res = _lint_imports(ROOT / "src", tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "1 kept, 0 broken" in res.stdout
+    assert "2 kept, 0 broken" in res.stdout
 
 
 @pytest.mark.parametrize(
@@ -59,3 +60,26 @@ def test_an_upward_import_breaks_the_contract(lint_imports_available, tmp_path, 
     res = _lint_imports(src, tmp_path)
     assert res.returncode != 0
     assert "BROKEN" in res.stdout and upward in res.stdout
+
+
+def copy_package(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "alignlit", src / "alignlit", ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
+def test_a_new_top_level_module_must_be_placed_in_a_layer(lint_imports_available, tmp_path):
+    src = copy_package(tmp_path)
+    (src / "alignlit" / "helpers.py").write_text('"""A module no layer names."""\n')
+    res = _lint_imports(src, tmp_path)
+    assert res.returncode != 0
+    assert "alignlit.helpers" in res.stdout
+
+
+def test_a_stage_importing_another_stage_breaks_independence(lint_imports_available, tmp_path):
+    src = copy_package(tmp_path)
+    target = src / "alignlit" / "modules" / "online_rrhf.py"
+    target.write_text(target.read_text() + "\n\ndef _sibling():\n    import alignlit.modules.online_dpo  # noqa: F401\n")
+    res = _lint_imports(src, tmp_path)
+    assert res.returncode != 0
+    assert "stages are independent" in res.stdout and "BROKEN" in res.stdout

@@ -22,7 +22,7 @@ from alignlit.models.lora import (
     merged_state_dict,
     parameter_bytes,
 )
-from alignlit.modules import DPOModule, Optim, PPOModule, RewardModule, SFTModule
+from alignlit.modules import DPOModule, Minibatches, Optim, PPOModule, RewardModule, SFTModule
 from alignlit.rollout import RolloutLoop, SamplingParams
 from alignlit.rollout.vllm_engine import VLLMEngine
 from tests.test_dpo import _Killed, _pairs_file, _Record
@@ -286,7 +286,8 @@ def test_ppo_with_lora_runs_a_rollout(tmp_path, tiny_policy_dir):
         str(tiny_policy_dir),
         reward=lambda p, r: [float(len(x)) for x in r],
         lora=LORA,
-        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=4), minibatch_size=4),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=4)),
+        minibatches=Minibatches(size=4),
         optim=Optim(lr=1e-2, min_lr_ratio=1.0),
         critic_optim=Optim(lr=1e-2, min_lr_ratio=1.0),
     )

@@ -68,11 +68,8 @@ def _configs(work: Path) -> dict[str, dict]:
                 "optim": optim,
                 "critic_optim": optim,
                 "kl": {"coef": 0.2, "target": 0.01, "horizon": 4},
-                "rollout": {
-                    "sampling": {"temperature": 0.0, "max_new_tokens": 4},
-                    "minibatch_size": 64,
-                    "epochs": 2,
-                },
+                "rollout": {"sampling": {"temperature": 0.0, "max_new_tokens": 4}},
+                "minibatches": {"size": 64, "epochs": 2},
             },
         },
         "data": {

@@ -13,7 +13,7 @@ from alignlit.data import PromptDataModule
 from alignlit.models import export_pretrained, load_policy, make_tiny_llama
 from alignlit.models.forward import response_logprobs
 from alignlit.models.modes import disable_dropout
-from alignlit.modules import PPOModule
+from alignlit.modules import Minibatches, PPOModule
 from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
 from alignlit.rollout.reward import resolve_reward
 from tests.conftest import TINY
@@ -45,7 +45,8 @@ def prompts_file(tmp_path_factory):
 
 
 def ppo(policy_dir, **kwargs):
-    kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=4), minibatch_size=3))
+    kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=4)))
+    kwargs.setdefault("minibatches", Minibatches(size=3))
     module = PPOModule(policy=str(policy_dir), reward=length_reward, critic=str(policy_dir), **kwargs)
     module.rollout.setup(module.policy, module.tokenizer)
     return module
@@ -63,7 +64,8 @@ def test_dropout_model_gives_ratio_one_at_the_first_update(dropout_policy_dir):
     torch.manual_seed(0)
     with torch.no_grad():  # the defect the stage avoids: dropout makes two passes disagree
         assert (response_logprobs(raw, *ids) - response_logprobs(raw, *ids)).abs().max() > 1e-3
-    batch, _ = module.make_experience(r, exp.rewards)
+    batch, _ = module.make_trajectory(exp)
+    module.advantages(batch)
     assert module.policy.training
     _, metrics = module.actor_loss(batch)
     assert metrics["ratio"].item() == 1.0
@@ -110,8 +112,8 @@ def test_degenerate_rollout_is_skipped_and_counted(tiny_policy_dir, prompts_file
     collect = module.rollout.collect
     calls = []
 
-    def first_degenerate(prompts, reward):
-        exp = collect(prompts, reward)
+    def first_degenerate(prompts, reward, **kwargs):
+        exp = collect(prompts, reward, **kwargs)
         calls.append(1)
         if len(calls) == 1:
             return Experience(degenerate(exp.rollout, keep_tokens), exp.rewards)
@@ -163,7 +165,8 @@ def test_mismatch_is_logged_and_tis_weights_the_policy_loss(tiny_policy_dir):
         torch.where(torch.arange(mask.shape[1]) % 2 == 0, 0.8, -0.3).expand_as(mask) * mask
     )  # log π_old - log μ
     exp.rollout.logprobs = exp.rollout.logprobs - shift  # the engine's μ
-    batch, metrics = module.make_experience(exp.rollout, exp.rewards)
+    batch, metrics = module.make_trajectory(exp)
+    module.advantages(batch)
     valid = mask.bool()
     assert metrics["mismatch/abs_mean"] == pytest.approx(shift.abs()[valid].mean().item(), rel=1e-4)
     assert metrics["mismatch/abs_max"] == pytest.approx(0.8, rel=1e-4)
@@ -175,7 +178,12 @@ def test_mismatch_is_logged_and_tis_weights_the_policy_loss(tiny_policy_dir):
     loss, _ = module.actor_loss(batch)
     logprobs = response_logprobs(module.policy, *batch.ids)
     expected, _ = ppo_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, batch.mask, clip_eps=0.2, is_weights=expected_weights
+        logprobs,
+        batch.old_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        clip_eps=0.2,
+        is_weights=expected_weights,
     )
     torch.testing.assert_close(loss, expected.float(), rtol=1e-5, atol=1e-6)
 
@@ -197,12 +205,14 @@ def test_prompt_filter_samples_like_the_rollout_unless_configured(tiny_policy_di
 
     rollout = RolloutLoop(sampling=SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"]))
     module = ppo(tiny_policy_dir, rollout=rollout, prompt_filter=PromptFilter(k=2, epsilon=0.0, seed=7))
-    module.prompt_filter(Recording(), length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling)
+    module.prompt_filter(
+        Recording().generate, length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling
+    )
     assert seen[-1] == SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"], seed=7)
 
     own = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3)
     PromptFilter(k=2, epsilon=0.0, sampling=own)(
-        Recording(), length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling
+        Recording().generate, length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling
     )
     assert seen[-1] == own
 

@@ -24,10 +24,9 @@ from alignlit.models import (
     make_tiny_llama,
 )
 from alignlit.models.reward import PreferenceModel
-from alignlit.modules import OnlineDPOModule, Optim, PairwisePrefModule, PreferenceRanking
-from alignlit.modules.online import PtxMix
-from alignlit.modules.online_dpo import length_reward_correlation
-from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
+from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, PairwisePrefModule, PtxMix
+from alignlit.ops import length_reward_correlation
+from alignlit.rollout import Experience, PreferenceRanking, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,8 +84,9 @@ def make_module(policy_dir, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault(
         "rollout",
-        RolloutLoop(sampling=SamplingParams(max_new_tokens=4), samples_per_prompt=3, minibatch_size=2),
+        RolloutLoop(sampling=SamplingParams(max_new_tokens=4), samples_per_prompt=3),
     )
+    kwargs.setdefault("minibatches", Minibatches(size=2, epochs=2))
     kwargs.setdefault("optim", Optim(lr=1e-3, min_lr_ratio=1.0))
     return OnlineDPOModule(policy=str(policy_dir), train_max_length=40, train_max_prompt_length=24, **kwargs)
 
@@ -136,8 +136,8 @@ def scripted(module, script):
     ``j`` of ``prompt`` in iteration ``t`` (texts, token lengths and rewards; the ids are padding)."""
     collect = module.rollout.collect
 
-    def fake(prompts, reward):
-        exp = collect(prompts, reward)
+    def fake(prompts, reward, **kwargs):
+        exp = collect(prompts, reward, **kwargs)
         r, t = exp.rollout, module.rollout.rollouts
         rows = [script(t, r.prompts[i], i % r.n) for i in range(len(r))]
         width = max(tokens for _, tokens, _ in rows)
@@ -221,7 +221,7 @@ def test_pairing_and_length_penalty_by_hand(
     assert pairs[0]["chosen_score"] == pytest.approx(chosen_score)
     assert pairs[0]["rejected_score"] == pytest.approx(rejected_score)
     assert metrics["pairs/new"] == metrics["pairs/train"] == 1.0 and "rollout/skipped" not in metrics
-    assert trainer.global_step == 2  # dpo_epochs = 2 passes of one minibatch
+    assert trainer.global_step == 2  # minibatches.epochs = 2 passes of one minibatch
     # the files are in formats alignlit reads: generic pairs and ranked groups
     (pair,), _ = parse_pairs(read_records(tmp_path / "data" / "iter_0001.pairs.jsonl")[0])
     assert (pair.chosen, pair.rejected) == (chosen, rejected)
@@ -469,14 +469,12 @@ def test_preference_model_as_online_reward(tiny_policy_dir, pairpref_dir, data_d
 # ---------------------------------------------------------------------- arguments
 def test_bad_arguments_name_the_field(tiny_policy_dir, data_dir):
     loop = RolloutLoop(samples_per_prompt=2)
-    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 2, got 1"):
         OnlineDPOModule(policy=str(tiny_policy_dir), reward=char_reward)
-    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
-        OnlineDPOModule(
-            policy=str(tiny_policy_dir),
-            reward=char_reward,
-            rollout=RolloutLoop(samples_per_prompt=2, epochs=2),
-        )
+    with pytest.raises(ValueError, match="minibatches: give epochs"):
+        Minibatches(epochs=2, steps=3)
+    with pytest.raises(ValueError, match="KL control is its β"):
+        OnlineDPOModule(policy=str(tiny_policy_dir), reward=char_reward, rollout=loop, kl=KLPenalty())
     with pytest.raises(ValueError, match="length_unit must be one of"):
         OnlineDPOModule(policy=str(tiny_policy_dir), reward=char_reward, rollout=loop, length_unit="words")
     with pytest.raises(ValueError, match="pairs_from must be one of"):
@@ -508,7 +506,7 @@ def test_config_takes_a_preference_model_as_reward():
 
     cli = ParseOnly(
         args=[
-            "--config", str(CONFIG), "--model.init_args.reward.class_path=alignlit.modules.PreferenceRanking",
+            "--config", str(CONFIG), "--model.init_args.reward.class_path=alignlit.rollout.PreferenceRanking",
             "--model.init_args.reward.init_args.model=out/quickstart/pairpref",
             "--model.init_args.reward.init_args.mode=reference",
             "--model.init_args.reward.init_args.references=data/sim/sft_val.jsonl",
@@ -516,7 +514,7 @@ def test_config_takes_a_preference_model_as_reward():
         run=False,
     )  # fmt: skip
     reward = cli.config.model.init_args.reward
-    assert reward.class_path == "alignlit.modules.PreferenceRanking" and reward.init_args.mode == "reference"
+    assert reward.class_path == "alignlit.rollout.PreferenceRanking" and reward.init_args.mode == "reference"
 
 
 @pytest.mark.slow
@@ -573,9 +571,10 @@ def test_online_dpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     module = make_module(
         policy_dir,
         rollout=RolloutLoop(
-            engine="vllm", sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=4, minibatch_size=4,
+            engine="vllm", sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=4,
             parity_every=1, parity_tol=1e-3, vllm_args={"max_model_len": 128},
         ),
+        minibatches=Minibatches(size=4, epochs=2),
     )  # fmt: skip
     fit(module, data_dir / "prompts.jsonl", tmp_path, batches=2, batch_size=4)
     assert module.rollout.engine.weight_pushes == 2

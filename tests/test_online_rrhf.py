@@ -17,8 +17,7 @@ from alignlit.data.ranking import RankingExample, collate_ranking
 from alignlit.losses import rrhf_loss
 from alignlit.models import export_pretrained, load_scalar_model, make_tiny_llama
 from alignlit.models.forward import token_logprobs
-from alignlit.modules import OnlineRRHFModule, Optim
-from alignlit.modules.online import KLPenalty
+from alignlit.modules import KLPenalty, Minibatches, OnlineRRHFModule, Optim
 from alignlit.modules.online_rrhf import read_extra_responses
 from alignlit.rollout import RolloutLoop, SamplingParams
 from tests.conftest import TINY
@@ -61,8 +60,9 @@ def make_module(policy_dir, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault(
         "rollout",
-        RolloutLoop(sampling=SamplingParams(max_new_tokens=4), samples_per_prompt=3, minibatch_size=2),
+        RolloutLoop(sampling=SamplingParams(max_new_tokens=4), samples_per_prompt=3),
     )
+    kwargs.setdefault("minibatches", Minibatches(size=2, steps=8))
     kwargs.setdefault("optim", Optim(lr=1e-3, min_lr_ratio=1.0))
     return OnlineRRHFModule(policy=str(policy_dir), train_max_length=40, train_max_prompt_length=24, **kwargs)
 
@@ -85,14 +85,15 @@ def test_kl_penalised_rewards_by_hand(tiny_policy_dir, data_dir):
     module.rollout.setup(module.policy, module.tokenizer)
     scripted(module, sample_script)
     exp = module.rollout.collect(PROMPTS[:2], char_reward)
-    module.sample_kl = lambda experience: (torch.tensor([0.5, 1.0, 2.0, 4.0, 0.0, -1.0]), {"kl/ref": 0.0})
+    trajectory, built = module.make_trajectory(exp)
+    trajectory.kl = torch.zeros_like(trajectory.old_logprobs)
+    trajectory.kl[:, 0] = torch.tensor([0.5, 1.0, 2.0, 4.0, 0.0, -1.0])  # Σ_t kl_t of each sample
     module.extra_kl = lambda encoded: torch.tensor([3.0, 1.0, 0.5, 2.0])[: len(encoded)]
-    sets, scores, metrics = module.response_sets(exp)
+    sets, scores, metrics = module.response_sets(trajectory)
     assert [len(s) for s in sets] == [6, 4]
     torch.testing.assert_close(scores[0], torch.tensor([0.95, 1.9, 2.8, 0.3, -0.3, -0.45]))
     torch.testing.assert_close(scores[1], torch.tensor([-0.4, 0.0, 0.1, 0.6]))
-    assert metrics["set/extra_responses"] == 4.0 and metrics["kl/coef"] == 0.1
-    assert metrics["kl/penalty"] == pytest.approx(0.1 * (0.5 + 1 + 2 + 4 + 0 - 1) / 6)
+    assert metrics["set/extra_responses"] == 4.0 and built["kl/coef"] == 0.1
 
 
 def test_sequence_kl_matches_naive_forwards(tiny_policy_dir, reference_dir):
@@ -103,7 +104,8 @@ def test_sequence_kl_matches_naive_forwards(tiny_policy_dir, reference_dir):
     )
     module.rollout.setup(module.policy, module.tokenizer)
     exp = module.rollout.collect(PROMPTS[:2], char_reward)
-    kl, metrics = module.sample_kl(exp)
+    trajectory, metrics = module.make_trajectory(exp)
+    kl = trajectory.kl.sum(-1)
     r = exp.rollout
 
     def logp(model, ids, start):
@@ -166,9 +168,9 @@ def test_loss_matches_rrhf_loss(tiny_policy_dir, tokenizer):
 
 # ---------------------------------------------------------------------- resampling and other sources
 def test_resample_every_updates_on_one_set(tiny_policy_dir, data_dir, tmp_path):
-    """resample_every = 3 on 3 prompts in minibatches of 2: each resample takes 3 optimizer steps on
+    """minibatches.steps = 3 on 3 prompts in minibatches of 2: each resample takes 3 optimizer steps on
     its own set, shuffled passes of 2 + 1 prompts then 2 of the next pass; 2 resamples = 6 steps."""
-    module = make_module(tiny_policy_dir, resample_every=3)
+    module = make_module(tiny_policy_dir, minibatches=Minibatches(size=2, steps=3))
     scripted(module, sample_script)
     updates = []
     rrhf = module.rrhf
@@ -200,10 +202,15 @@ def test_extra_responses_file(data_dir, tmp_path):
 
 
 def test_bad_arguments_name_the_field(tiny_policy_dir, data_dir):
-    with pytest.raises(ValueError, match="resample_every >= 1"):
-        make_module(tiny_policy_dir, resample_every=0)
-    with pytest.raises(ValueError, match=r"rollout\.epochs"):
-        make_module(tiny_policy_dir, rollout=RolloutLoop(epochs=2))
+    with pytest.raises(ValueError, match=r"minibatches.steps must be >= 1"):
+        Minibatches(steps=0)
+    with pytest.raises(ValueError, match=r"samples_per_prompt 1 and no extra_responses"):
+        make_module(tiny_policy_dir, rollout=RolloutLoop(samples_per_prompt=1))
+    make_module(  # with responses from other sources, one sample per prompt is still a ranking
+        tiny_policy_dir,
+        rollout=RolloutLoop(samples_per_prompt=1),
+        extra_responses=str(data_dir / "extras.jsonl"),
+    )
     with pytest.raises(ValueError, match="tis_cap"):
         make_module(tiny_policy_dir, tis_cap=2.0)
 
@@ -227,7 +234,7 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
             reference=str(reference_dir),
             kl=KLPenalty(coef=0.1, target=1.0, horizon=20),
             extra_responses=str(data_dir / "extras.jsonl"),
-            resample_every=2,
+            minibatches=Minibatches(size=2, steps=2),
             gold=char_reward,
         )
 
@@ -274,8 +281,8 @@ def test_config_tiny_fit(tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_di
             f"--model.init_args.reward={rm_dir}",
             "--model.init_args.gold=null",
             "--model.init_args.rollout.sampling.max_new_tokens=6",
-            "--model.init_args.rollout.minibatch_size=2",
-            "--model.init_args.resample_every=2",
+            "--model.init_args.minibatches.size=2",
+            "--model.init_args.minibatches.steps=2",
             f"--model.init_args.extra_responses={data_dir / 'extras.jsonl'}",
             "--model.init_args.export_dir=export",
             f"--data.init_args.train_file={data_dir / 'prompts.jsonl'}",
@@ -310,9 +317,10 @@ def test_online_rrhf_with_vllm_engine(tmp_path, tokenizer, data_dir):
         policy_dir,
         kl=KLPenalty(coef=0.1),
         rollout=RolloutLoop(
-            engine="vllm", sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3, minibatch_size=2,
+            engine="vllm", sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3,
             parity_every=1, parity_tol=1e-3, vllm_args={"max_model_len": 128},
         ),
+        minibatches=Minibatches(size=2, steps=8),
     )  # fmt: skip
     fit(module, data_dir / "prompts.jsonl", tmp_path, batches=2, batch_size=4)
     assert module.rollout.engine.weight_pushes == 2

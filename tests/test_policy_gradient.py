@@ -17,11 +17,11 @@ import torch
 from alignlit.data import PromptDataModule
 from alignlit.losses import masked_nll, policy_gradient_loss, shift_for_next_token
 from alignlit.models import ScalarHeadModel, export_pretrained, load_scalar_model, make_tiny_llama
-from alignlit.modules import Optim, PolicyGradientModule
-from alignlit.modules.online import KLPenalty, PtxMix
-from alignlit.modules.policy_gradient import DynamicSampling, Overlong
-from alignlit.ops import entropy_from_logits, group_advantages, overlong_penalty
-from alignlit.rollout import Experience, RolloutLoop, SamplingParams, response_logprobs
+from alignlit.models.forward import response_logprobs
+from alignlit.modules import KLPenalty, Minibatches, Optim, PolicyGradientModule, PtxMix
+from alignlit.ops import DynamicSampling, Overlong, entropy_from_logits, group_advantages, overlong_penalty
+from alignlit.rollout import Experience, RolloutLoop, SamplingParams
+from alignlit.rollout.base import select_groups
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +84,9 @@ def make_module(tiny_policy_dir, *, n=4, max_new_tokens=5, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault(
         "rollout",
-        RolloutLoop(
-            sampling=SamplingParams(max_new_tokens=max_new_tokens), samples_per_prompt=n, minibatch_size=8
-        ),
+        RolloutLoop(sampling=SamplingParams(max_new_tokens=max_new_tokens), samples_per_prompt=n),
     )
+    kwargs.setdefault("minibatches", Minibatches(size=8))
     module = PolicyGradientModule(policy=str(tiny_policy_dir), **kwargs)
     module.rollout.setup(module.policy, module.tokenizer)
     return module
@@ -99,6 +98,14 @@ def collect(module, prompts, rewards: list[float] | None = None):
     if rewards is not None:
         exp = Experience(exp.rollout, torch.tensor(rewards, dtype=torch.float32))
     return exp
+
+
+def make_batch(module, rollout, rewards):
+    """The batch a training step updates on: the trajectory built by the base, the module's advantages,
+    the samples without a loss token dropped (one process)."""
+    trajectory, metrics = module.make_trajectory(Experience(rollout, rewards))
+    metrics.update(module.advantages(trajectory))
+    return module.trainable(trajectory), metrics
 
 
 def ids_of(rollout):
@@ -126,10 +133,14 @@ def test_no_critic_one_optimizer(tiny_policy_dir, rm_dir):
 def test_bad_arguments_name_the_field(tiny_policy_dir):
     with pytest.raises(ValueError, match=r"samples_per_prompt is 1, but advantage 'grpo'"):
         make_module(tiny_policy_dir, n=1)
-    with pytest.raises(ValueError, match="with dynamic sampling"):
+    with pytest.raises(ValueError, match="dynamic_sampling compares the rewards of a prompt's samples"):
         make_module(tiny_policy_dir, n=1, advantage="reinforce_pp", dynamic_sampling=DynamicSampling())
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+    with pytest.raises(ValueError, match="advantage 'gae' needs a critic's values"):
         make_module(tiny_policy_dir, advantage="gae")
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gpro'"):
+        make_module(tiny_policy_dir, advantage="gpro")
+    with pytest.raises(ValueError, match="unknown policy loss 'clip'"):
+        make_module(tiny_policy_dir, policy_loss="clip")
     with pytest.raises(
         ValueError, match=r"advantage estimator 'no\.such\.fn' is neither registered nor importable"
     ):
@@ -183,7 +194,7 @@ def test_group_advantages_match_naive_reference(tiny_policy_dir, estimator):
     loops and group_advantages on the same tensor, row by row (rows without a response token dropped)."""
     module = make_module(tiny_policy_dir, advantage=estimator)
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
-    batch, metrics = module.make_batch(exp.rollout, exp.rewards)
+    batch, metrics = make_batch(module, exp.rollout, exp.rewards)
     keep = exp.rollout.response_mask.any(-1)
     expected = torch.tensor(naive_group(HAND_REWARDS, estimator, 4))
     torch.testing.assert_close(batch.advantages, expected[keep], atol=1e-5, rtol=0)
@@ -196,7 +207,7 @@ def test_group_advantages_match_naive_reference(tiny_policy_dir, estimator):
 def test_dotted_path_estimator(tiny_policy_dir):
     module = make_module(tiny_policy_dir, advantage="tests.test_policy_gradient.doubled_dr_grpo")
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
-    batch, _ = module.make_batch(exp.rollout, exp.rewards)
+    batch, _ = make_batch(module, exp.rollout, exp.rewards)
     keep = exp.rollout.response_mask.any(-1)
     expected = 2 * torch.tensor(naive_group(HAND_REWARDS, "dr_grpo", 4))
     torch.testing.assert_close(batch.advantages, expected[keep], atol=1e-5, rtol=0)
@@ -211,7 +222,7 @@ def test_kl_in_the_reward_of_a_group_estimator(tiny_policy_dir, reference_dir):
         kl=KLPenalty(coef=0.1, estimator="k1"),
     )
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
-    batch, metrics = module.make_batch(exp.rollout, exp.rewards)
+    batch, metrics = make_batch(module, exp.rollout, exp.rewards)
     r = exp.rollout
     with torch.no_grad():
         old = response_logprobs(module.policy, *ids_of(r))
@@ -241,7 +252,7 @@ def test_reinforce_pp_matches_naive_returns(tiny_policy_dir, reference_dir):
     )
     scores = [1.0, -0.5, 0.25, 2.0, 0.0, 0.75, -1.0, 0.5]
     exp = collect(module, PROMPTS[:4], scores)
-    batch, _ = module.make_batch(exp.rollout, exp.rewards)
+    batch, _ = make_batch(module, exp.rollout, exp.rewards)
     r = exp.rollout
     with torch.no_grad():
         kl = response_logprobs(module.policy, *ids_of(r)) - response_logprobs(module.reference, *ids_of(r))
@@ -259,7 +270,7 @@ def test_reinforce_pp_matches_naive_returns(tiny_policy_dir, reference_dir):
     flat = torch.tensor([g for row in returns for g in row], dtype=torch.float64)
     whitened = ((flat - flat.mean()) / torch.sqrt(flat.var() + 1e-8)).tolist()
     keep = r.response_mask.any(-1)
-    got = [batch.advantages[i, : int(batch.mask[i].sum())].tolist() for i in range(len(batch))]
+    got = [batch.advantages[i, : int(batch.loss_mask[i].sum())].tolist() for i in range(len(batch))]
     expected, k = [], 0
     for row in (row for row, kept in zip(returns, keep) if kept):
         expected.append(whitened[k : k + len(row)])
@@ -267,7 +278,7 @@ def test_reinforce_pp_matches_naive_returns(tiny_policy_dir, reference_dir):
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a == pytest.approx(b, abs=1e-4)
-    assert (batch.advantages * ~batch.mask).abs().max() == 0
+    assert (batch.advantages * ~batch.loss_mask).abs().max() == 0
 
 
 # ---------------------------------------------------------------------- loss
@@ -295,7 +306,7 @@ def test_loss_matches_policy_gradient_loss_with_tis(tiny_policy_dir, reference_d
     mask = exp.rollout.response_mask
     shift = torch.where(torch.arange(mask.shape[1]) % 2 == 0, 0.8, -0.3).expand_as(mask) * mask
     exp.rollout.logprobs = exp.rollout.logprobs - shift  # the engine's μ: log π_old - log μ = shift
-    batch, metrics = module.make_batch(exp.rollout, exp.rewards)
+    batch, metrics = make_batch(module, exp.rollout, exp.rewards)
     keep = mask.any(-1)
     weights = (torch.where(shift > 0, 1.5, torch.exp(shift)) * mask)[keep]
     torch.testing.assert_close(batch.is_weights, weights.float(), rtol=1e-5, atol=1e-6)
@@ -304,9 +315,9 @@ def test_loss_matches_policy_gradient_loss_with_tis(tiny_policy_dir, reference_d
         for p in module.policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
 
-    ptx_batch = next(iter(module.ptx_data.train_dataloader()))
+    ptx_batch = next(iter(module.ptx_mixer.data.train_dataloader()))
     loss, loss_metrics = module.policy_loss(batch)
-    attention = torch.cat([batch.prompt_mask, batch.mask], 1).long()
+    attention = torch.cat([batch.prompt_mask, batch.loss_mask], 1).long()
     logits = module.policy(
         input_ids=torch.cat([batch.prompt_ids, batch.response_ids], 1),
         attention_mask=attention,
@@ -314,7 +325,7 @@ def test_loss_matches_policy_gradient_loss_with_tis(tiny_policy_dir, reference_d
     ).logits[:, batch.prompt_ids.shape[1] - 1 : -1]
     logprobs = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None])[..., 0]
     expected, expected_metrics = policy_gradient_loss(
-        logprobs, batch.old_logprobs, batch.advantages, batch.mask,
+        logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
         clip_low=0.1, clip_high=0.3, aggregation="seq_mean_token_sum_norm", max_length=5,
         ref_logprobs=batch.ref_logprobs, kl_coef=0.05, kl_estimator="k3",
         entropy=entropy_from_logits(logits), entropy_coef=0.01, is_weights=weights,
@@ -332,7 +343,8 @@ def test_dynamic_sampling_drops_all_equal_groups(tiny_policy_dir):
     their rewards, in order."""
     module = make_module(tiny_policy_dir, reward=copy_constant_reward, dynamic_sampling=DynamicSampling())
     exp = collect(module, PROMPTS[:4])
-    rollout, rewards, metrics = module.sample_groups(exp)
+    kept, metrics = module.accept(exp)
+    rollout, rewards = kept.rollout, kept.rewards
     assert rollout.prompts == [p for p in PROMPTS[:2] for _ in range(4)]
     torch.testing.assert_close(rewards, exp.rewards[:8])
     assert rollout.texts == exp.rollout.texts[:8]
@@ -393,13 +405,13 @@ def test_dynamic_sampling_refills_within_the_bound(tiny_policy_dir, data_dir, tm
         tiny_policy_dir, reward=copy_constant_reward, dynamic_sampling=DynamicSampling(max_tries=8)
     )
     trained = []
-    make_batch = module.make_batch
+    make_trajectory = module.make_trajectory
 
-    def record(rollout, rewards):
-        trained.append(list(rollout.prompts))
-        return make_batch(rollout, rewards)
+    def record(experience):
+        trained.append(list(experience.rollout.prompts))
+        return make_trajectory(experience)
 
-    module.make_batch = record
+    module.make_trajectory = record
     fit(module, data_dir, tmp_path, rollouts=2, batch_size=4)
     train = [h for h in module.history if "time/train_s" in h]
     assert len(train) == 2 and module.skipped_rollouts == 0
@@ -449,8 +461,10 @@ def test_overlong(tiny_policy_dir, mode):
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
     assert exp.rollout.response_mask.sum(-1).min() == 3
     cut_to(exp.rollout, [3, 1, 2, 3] * 4, limit=3)
-    rollout, rewards, metrics = module.sample_groups(exp)
-    batch, more = module.make_batch(rollout, rewards)
+    kept, metrics = module.accept(exp)
+    rollout = kept.rollout
+    batch, more = make_batch(module, rollout, kept.rewards)
+    rewards = module.task_rewards(rollout, kept.rewards)
     if mode == "filter":
         torch.testing.assert_close(rewards, exp.rewards)
         assert more["response/overlong_filtered"] == 8.0 and len(batch) == 8
@@ -478,13 +492,13 @@ def test_several_ranks_keep_rows_without_a_loss_token(tiny_policy_dir):
     )
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
     cut_to(exp.rollout, [3, 1, 2, 3] * 4, limit=3)
-    one, _ = module.make_batch(exp.rollout, exp.rewards)
+    one, _ = make_batch(module, exp.rollout, exp.rewards)
     module.trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
     assert module.trainer.world_size == 2
-    many, _ = module.make_batch(exp.rollout, exp.rewards)
+    many, _ = make_batch(module, exp.rollout, exp.rewards)
     stopped = torch.tensor([1, 2, 5, 6, 9, 10, 13, 14])
     assert len(one) == 8 and len(many) == 16
-    assert int(many.mask.sum(-1)[stopped].sum()) == int(many.mask.sum()) == int(one.mask.sum())
+    assert int(many.loss_mask.sum(-1)[stopped].sum()) == int(many.loss_mask.sum()) == int(one.loss_mask.sum())
     torch.testing.assert_close(many.advantages[stopped], one.advantages, rtol=0, atol=0)
     cut = torch.tensor([0, 3, 4, 7])
     loss, metrics = module.policy_loss(many.select(cut))
@@ -500,7 +514,6 @@ def test_make_batch_over_two_ranks_equals_one_process(tiny_policy_dir, reference
     """Two modules (threads standing for 2 data-parallel ranks, tests/test_global_stats.py) build the batch of
     half the groups each: their advantages are those one process builds on the whole rollout, with the batch
     statistics (REINFORCE++'s whitening, REINFORCE++-baseline's std) of the global batch, not their own."""
-    from alignlit.modules.policy_gradient import select_groups
     from tests.test_global_stats import ThreadRanks
 
     def module():
@@ -511,7 +524,7 @@ def test_make_batch_over_two_ranks_equals_one_process(tiny_policy_dir, reference
     scores = [1.0, -0.5, 0.25, 2.0, 0.0, 0.75, -1.0, 0.5]
     exp = collect(one, PROMPTS[:4], scores)
     assert bool(exp.rollout.response_mask.any(-1).all())
-    whole, _ = one.make_batch(exp.rollout, exp.rewards)
+    whole, _ = make_batch(one, exp.rollout, exp.rewards)
     halves = [torch.tensor([0, 1]), torch.tensor([2, 3])]
     parts = [(select_groups([exp.rollout], [g], one.tokenizer.pad_token_id), exp.rewards.view(4, 2)[g].flatten())
              for g in halves]  # fmt: skip
@@ -521,15 +534,15 @@ def test_make_batch_over_two_ranks_equals_one_process(tiny_policy_dir, reference
         rank, (rollout, rewards) = rank_part
         ranks[rank].all_reduce_sum = reduce
         ranks[rank].batch_all_reduce = lambda: reduce
-        return ranks[rank].make_batch(rollout, rewards)[0]
+        return make_batch(ranks[rank], rollout, rewards)[0]
 
     threads = ThreadRanks(2)
     batches = threads.run(build, list(enumerate(parts)))
     got = torch.cat([b.advantages for b in batches])  # select_groups keeps the rollout's widths
     torch.testing.assert_close(got, whole.advantages, rtol=0, atol=1e-5)
-    assert threads.calls[0] == threads.calls[1] == (4 if advantage == "reinforce_pp" else 3)
+    assert threads.calls[0] == threads.calls[1] >= 2  # both ranks in every collective
     del ranks[0].all_reduce_sum, ranks[0].batch_all_reduce  # rank 0 on its own: its local statistics
-    local = ranks[0].make_batch(*parts[0])[0].advantages
+    local = make_batch(ranks[0], *parts[0])[0].advantages
     assert (local - whole.advantages[: len(local)]).abs().max() > 1e-2
 
 
@@ -573,9 +586,8 @@ def resume_module(tiny_policy_dir, reference_dir, data_dir):
             max_length=32,
             max_prompt_length=20,
         ),
-        rollout=RolloutLoop(
-            sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2, minibatch_size=3, epochs=2
-        ),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2),
+        minibatches=Minibatches(size=3, epochs=2),
         optim=Optim(lr=1e-3, min_lr_ratio=1.0),
         gold=char_reward,
     )
@@ -689,11 +701,11 @@ def test_grpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
             engine="vllm",
             sampling=SamplingParams(max_new_tokens=5),
             samples_per_prompt=4,
-            minibatch_size=8,
             parity_every=1,
             parity_tol=1e-3,
             vllm_args={"max_model_len": 128},
         ),
+        minibatches=Minibatches(size=8),
     )
     fit(module, data_dir, tmp_path, rollouts=2)
     assert module.rollout.engine.weight_pushes == 2

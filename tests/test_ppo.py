@@ -16,8 +16,9 @@ import torch
 from alignlit.data import PromptDataModule
 from alignlit.losses import entropy_bonus, masked_nll, ppo_policy_loss, ppo_value_loss, shift_for_next_token
 from alignlit.models import export_pretrained, load_reward_model, load_scalar_model, make_tiny_llama
-from alignlit.modules import Optim, PPOModule
-from alignlit.modules.online import KLPenalty, PtxMix
+from alignlit.models.forward import response_logprobs
+from alignlit.modules import KLPenalty, Minibatches, Optim, PPOModule, PtxMix
+from alignlit.modules.collect import sample_metrics
 from alignlit.ops import (
     RunningMoments,
     entropy_from_logits,
@@ -25,7 +26,7 @@ from alignlit.ops import (
     kl_penalized_rewards,
     normalize_scores,
 )
-from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams, response_logprobs
+from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,10 +74,19 @@ def rm_dir(tmp_path_factory, tiny_policy_dir):
 
 def make_module(tiny_policy_dir, **kwargs):
     kwargs.setdefault("reward", char_reward)
-    kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=5), minibatch_size=4))
+    kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=5)))
+    kwargs.setdefault("minibatches", Minibatches(size=4))
     module = PPOModule(policy=str(tiny_policy_dir), critic=str(tiny_policy_dir), **kwargs)
     module.rollout.setup(module.policy, module.tokenizer)
     return module
+
+
+def make_experience(module, exp):
+    """The PPO batch of a scored rollout as a training step builds it: the trajectory (old/ref
+    log-probs, KL) by the base, then PPO's values, rewards and GAE; samples without a token dropped."""
+    trajectory, metrics = module.make_trajectory(exp)
+    metrics.update(sample_metrics(exp.rollout, exp.rewards), **module.advantages(trajectory))
+    return module.trainable(trajectory), metrics
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -154,7 +164,7 @@ def test_experience_matches_naive_reference(tiny_policy_dir, reference_dir):
         advantage_norm="none",
     )
     exp = module.rollout.collect(PROMPTS, char_reward)
-    batch, metrics = module.make_experience(exp.rollout, exp.rewards)
+    batch, metrics = make_experience(module, exp)
     r = exp.rollout
     ids = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
     with torch.no_grad():
@@ -168,7 +178,7 @@ def test_experience_matches_naive_reference(tiny_policy_dir, reference_dir):
     scores = torch.tensor(char_reward(r.prompts, r.texts))
     for j in range(len(r)):
         n = int(r.response_mask[j].sum())
-        torch.testing.assert_close(batch.old_values[j, :n], values[j], atol=1e-5, rtol=0)
+        torch.testing.assert_close(batch.values[j, :n], values[j], atol=1e-5, rtol=0)
         rewards = [-0.1 * (old[j, t] - ref[j, t]).item() for t in range(n)]
         rewards[-1] += scores[j].item()
         advantages, running = [0.0] * n, 0.0
@@ -177,7 +187,7 @@ def test_experience_matches_naive_reference(tiny_policy_dir, reference_dir):
             delta = rewards[t] + 0.9 * next_value - values[j][t].item()
             running = delta + 0.9 * 0.8 * running
             advantages[t] = running
-        torch.testing.assert_close(batch.rewards[j, :n], torch.tensor(rewards), atol=1e-5, rtol=0)
+        torch.testing.assert_close(batch.token_rewards[j, :n], torch.tensor(rewards), atol=1e-5, rtol=0)
         torch.testing.assert_close(batch.advantages[j, :n], torch.tensor(advantages), atol=1e-5, rtol=0)
         torch.testing.assert_close(
             batch.returns[j, :n], torch.tensor(advantages) + values[j], atol=1e-5, rtol=0
@@ -202,24 +212,24 @@ def test_losses_match_alignlit_losses(tiny_policy_dir, reference_dir, data_dir):
     )
     module.setup_ptx()
     exp = module.rollout.collect(PROMPTS, char_reward)
-    batch, _ = module.make_experience(exp.rollout, exp.rewards)
+    batch, _ = make_experience(module, exp)
     with torch.no_grad():  # move both models so ratios and value changes are not trivial
         for p in [*module.policy.parameters(), *module.critic.parameters()]:
             p.add_(0.02 * torch.randn_like(p))
 
-    ptx_batch = next(iter(module.ptx_data.train_dataloader()))
+    ptx_batch = next(iter(module.ptx_mixer.data.train_dataloader()))
     loss, metrics = module.actor_loss(batch)
-    ids = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.mask)
+    ids = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.loss_mask)
     logprobs = response_logprobs(module.policy, *ids)
     expected, expected_metrics = ppo_policy_loss(
-        logprobs, batch.old_logprobs, batch.advantages, batch.mask, clip_eps=0.1
+        logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, clip_eps=0.1
     )
     logits = module.policy(
         input_ids=torch.cat([batch.prompt_ids, batch.response_ids], 1),
-        attention_mask=torch.cat([batch.prompt_mask, batch.mask], 1).long(),
-        position_ids=(torch.cat([batch.prompt_mask, batch.mask], 1).long().cumsum(-1) - 1).clamp(min=0),
+        attention_mask=torch.cat([batch.prompt_mask, batch.loss_mask], 1).long(),
+        position_ids=(torch.cat([batch.prompt_mask, batch.loss_mask], 1).long().cumsum(-1) - 1).clamp(min=0),
     ).logits[:, batch.prompt_ids.shape[1] - 1 : -1]
-    entropy_loss, _ = entropy_bonus(entropy_from_logits(logits), batch.mask, coef=0.01)
+    entropy_loss, _ = entropy_bonus(entropy_from_logits(logits), batch.loss_mask, coef=0.01)
     ptx_logits = module.policy(input_ids=ptx_batch.input_ids, attention_mask=ptx_batch.attention_mask).logits
     nll, _ = masked_nll(*shift_for_next_token(ptx_logits, ptx_batch.input_ids, ptx_batch.loss_mask))
     torch.testing.assert_close(loss, expected + entropy_loss + 0.5 * nll, atol=1e-5, rtol=0)
@@ -230,10 +240,10 @@ def test_losses_match_alignlit_losses(tiny_policy_dir, reference_dir, data_dir):
     value_loss, _ = module.critic_loss(batch)
     values = module.critic.values(
         torch.cat([batch.prompt_ids, batch.response_ids], 1),
-        torch.cat([batch.prompt_mask, batch.mask], 1).long(),
+        torch.cat([batch.prompt_mask, batch.loss_mask], 1).long(),
     )[:, batch.prompt_ids.shape[1] - 1 : -1]
     expected_value, expected_value_metrics = ppo_value_loss(
-        values * batch.mask, batch.old_values, batch.returns, batch.mask, clip_eps=0.05
+        values * batch.loss_mask, batch.values, batch.returns, batch.loss_mask, clip_eps=0.05
     )
     torch.testing.assert_close(value_loss, expected_value, atol=1e-6, rtol=0)
     assert expected_value_metrics["value_clip_frac"] > 0
@@ -248,7 +258,7 @@ def test_reward_moments_and_adaptive_kl_over_rollouts(tiny_policy_dir, reference
     seen = []
     for _ in range(2):
         exp = module.rollout.collect(PROMPTS, char_reward)
-        _, metrics = module.make_experience(exp.rollout, exp.rewards)
+        _, metrics = make_experience(module, exp)
         seen.append(exp.rewards)
     everything = torch.cat(seen).double()
     assert module.reward_moments.count == 16
@@ -266,13 +276,13 @@ def test_reward_moments_and_adaptive_kl_over_rollouts(tiny_policy_dir, reference
 def test_reference_baseline_is_sampled_once_per_prompt(tiny_policy_dir):
     module = make_module(tiny_policy_dir, reference_baseline=True, reward_norm="none", reward_clip=None)
     exp = module.rollout.collect(PROMPTS[:4], char_reward)
-    _, metrics = module.make_experience(exp.rollout, exp.rewards)
+    _, metrics = make_experience(module, exp)
     assert sorted(module.baseline_cache) == sorted(PROMPTS[:4]) and metrics["reward/baseline_new"] == 4
     baseline = torch.tensor([module.baseline_cache[p] for p in exp.rollout.prompts])
     assert metrics["reward/shaped"] == pytest.approx((exp.rewards - baseline).mean().item(), abs=1e-6)
     cached = dict(module.baseline_cache)
     exp = module.rollout.collect(PROMPTS[:4], char_reward)
-    _, metrics = module.make_experience(exp.rollout, exp.rewards)
+    _, metrics = make_experience(module, exp)
     assert metrics["reward/baseline_new"] == 0 and module.baseline_cache == cached
 
 
@@ -322,7 +332,8 @@ def resume_module(tiny_policy_dir, reference_dir, data_dir):
             max_length=32,
             max_prompt_length=20,
         ),
-        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), minibatch_size=3, epochs=2),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5)),
+        minibatches=Minibatches(size=3, epochs=2),
         optim=Optim(lr=1e-3, min_lr_ratio=1.0),
         critic_optim=Optim(lr=1e-3, min_lr_ratio=1.0),
         gold=char_reward,
@@ -400,7 +411,9 @@ def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, da
         prompt_filter=PromptFilter(k=3, epsilon=1e-9, sampling=SamplingParams(max_new_tokens=5, seed=0)),
     )
     engine = HFEngine(module.tokenizer, module.policy, micro_batch_size=64)
-    expected, _ = module.prompt_filter(engine, reward, PROMPTS)  # same seeded samples as at fit start
+    expected, _ = module.prompt_filter(
+        engine.generate, reward, PROMPTS
+    )  # same seeded samples as at fit start
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
@@ -500,11 +513,11 @@ def test_ppo_with_vllm_engine(tmp_path, tokenizer, data_dir):
         rollout=RolloutLoop(
             engine="vllm",
             sampling=SamplingParams(max_new_tokens=5),
-            minibatch_size=4,
             parity_every=1,
             parity_tol=1e-3,
             vllm_args={"max_model_len": 128},
         ),
+        minibatches=Minibatches(size=4),
     )
     fit(module, data_dir, tmp_path, rollouts=2, val_batches=0)
     assert module.rollout.engine.weight_pushes == 2

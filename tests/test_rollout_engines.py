@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from alignlit.models import make_tiny_llama
+from alignlit.models.forward import response_logprobs
 from alignlit.rollout import (
     HFEngine,
     ParityError,
@@ -16,7 +17,6 @@ from alignlit.rollout import (
     VLLMEngine,
     check_parity,
     logprob_parity,
-    response_logprobs,
 )
 from alignlit.rollout.postprocess import stop_cut
 from tests.conftest import TINY

@@ -1,4 +1,5 @@
-"""RolloutLoop on a tiny model with HFEngine: experience shapes, scoring, minibatches, seeding, sync, parity."""
+"""RolloutLoop on a tiny model with HFEngine: experience shapes, scoring, seeding, sync by version, parity,
+sampling from a frozen model, prompt filtering."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_collect_shapes_and_scores(policy, tokenizer):
     assert r.prompts == [p for p in PROMPTS for _ in range(2)]
     assert exp.rewards.dtype == torch.float32
     assert exp.rewards.tolist() == [float(len(t)) for t in r.texts]
-    assert exp.grouped_rewards().shape == (3, 2)
+    assert exp.versions.tolist() == [0] * n_samples  # the policy version that generated them
     assert loop.rollouts == 1
     for key in ("rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s"):
         assert key in loop.metrics
@@ -65,37 +66,20 @@ def test_collect_shapes_and_scores(policy, tokenizer):
     assert loop.metrics["rollout/tokens_per_s"] == pytest.approx(tokens / loop.metrics["rollout/generate_s"])
 
 
-def test_minibatch_and_epoch_counts(policy, tokenizer):
-    """10 rows, minibatch 4, 3 epochs: each epoch is a permutation of 0..9 cut as 4 + 4 + 2 (9 minibatches)."""
-    loop = make_loop(policy, tokenizer, epochs=3, minibatch_size=4)
-    batches = list(loop.minibatches(10))
-    assert len(batches) == loop.num_minibatches(10) == 9
-    assert [len(b) for b in batches] == [4, 4, 2] * 3
-    for epoch in range(3):
-        rows = torch.cat(batches[3 * epoch : 3 * epoch + 3])
-        assert sorted(rows.tolist()) == list(range(10))
-    orders = [torch.cat(batches[3 * e : 3 * e + 3]).tolist() for e in range(3)]
-    assert orders[0] != orders[1] or orders[1] != orders[2]  # shuffled per epoch
-    unshuffled = make_loop(policy, tokenizer, epochs=1, minibatch_size=4, shuffle=False)
-    assert [b.tolist() for b in unshuffled.minibatches(5)] == [[0, 1, 2, 3], [4]]
-
-
 def test_rollouts_are_seeded_and_state_resumes(policy, tokenizer):
     """Rollout i uses seed + i: a fresh loop loaded with the state after rollout 1 reproduces rollout 2."""
-    loop = make_loop(policy, tokenizer, seed=5, minibatch_size=2)
+    loop = make_loop(policy, tokenizer, seed=5)
     first = loop.collect(PROMPTS, char_count)
     state = copy.deepcopy(loop.state_dict())
     second = loop.collect(PROMPTS, char_count)
-    order = [b.tolist() for b in loop.minibatches(6)]
     assert first.rollout.texts != second.rollout.texts or not torch.equal(
         first.rollout.response_ids, second.rollout.response_ids
     )
 
-    resumed = make_loop(policy, tokenizer, seed=5, minibatch_size=2)
+    resumed = make_loop(policy, tokenizer, seed=5)
     resumed.load_state_dict(state)
     again = resumed.collect(PROMPTS, char_count)
     assert torch.equal(again.rollout.response_ids, second.rollout.response_ids)
-    assert [b.tolist() for b in resumed.minibatches(6)] == order
     # a same-seed loop from scratch reproduces the first rollout
     assert torch.equal(
         make_loop(policy, tokenizer, seed=5).collect(PROMPTS, char_count).rollout.response_ids,
@@ -103,18 +87,38 @@ def test_rollouts_are_seeded_and_state_resumes(policy, tokenizer):
     )
 
 
-def test_sync_only_when_stale(policy, tokenizer):
+def test_sync_when_the_version_changes(policy, tokenizer):
+    """The engine is synced before the first generation, again only when another policy version is asked
+    for, and after a resume (its weights are unknown then); every sample records its version."""
     loop = make_loop(policy, tokenizer)
     calls = []
     sync = loop.engine.sync
     loop.engine.sync = lambda p: (calls.append(p), sync(p))
-    loop.collect(PROMPTS, char_count)
-    loop.collect(PROMPTS, char_count)
-    assert len(calls) == 1 and loop.syncs == 1  # synced once, at the first rollout
+    loop.collect(PROMPTS, char_count, version=0)
+    loop.collect(PROMPTS, char_count, version=0)
+    assert len(calls) == 1 and loop.syncs == 1 and loop.engine_version == 0
     assert "rollout/sync_s" not in loop.metrics
-    loop.mark_stale()
-    loop.collect(PROMPTS, char_count)
-    assert len(calls) == 2 and "rollout/sync_s" in loop.metrics
+    exp = loop.collect(PROMPTS, char_count, version=3)
+    assert len(calls) == 2 and "rollout/sync_s" in loop.metrics and loop.engine_version == 3
+    assert exp.versions.tolist() == [3] * len(exp)
+    loop.load_state_dict(loop.state_dict())
+    loop.collect(PROMPTS, char_count, version=3)
+    assert len(calls) == 3 and loop.syncs == 3
+
+
+def test_generate_from_a_frozen_model(policy, tokenizer):
+    """``model=`` samples from another model (e.g. the reference) with HF generate, never syncs it into the
+    engine and counts no rollout: the same samples as an HFEngine on that model."""
+    loop = make_loop(policy, tokenizer)
+    other = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sampling = SamplingParams(max_new_tokens=5, seed=3)
+    got = loop.generate(PROMPTS, n=2, sampling=sampling, model=other)
+    expected = HFEngine(tokenizer, other).generate(PROMPTS, 2, sampling)
+    assert torch.equal(got.response_ids, expected.response_ids) and got.texts == expected.texts
+    assert loop.rollouts == 0 and loop.syncs == 0
 
 
 def test_parity_check_after_sync(policy, tokenizer):
@@ -167,8 +171,8 @@ def test_bad_loop_arguments():
         RolloutLoop(engine="tgi")
     with pytest.raises(ValueError, match=r"sampling\.seed must be None"):
         RolloutLoop(sampling=SamplingParams(seed=3))
-    with pytest.raises(ValueError, match="minibatch_size must be >= 1"):
-        RolloutLoop(minibatch_size=0)
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 1"):
+        RolloutLoop(samples_per_prompt=0)
     with pytest.raises(RuntimeError, match="setup"):
         RolloutLoop().generate(PROMPTS)
 
@@ -187,36 +191,17 @@ def test_reward_variance_and_prompt_filter(policy, tokenizer):
     def reward(prompts, responses):
         return [1.0 if "copy" in p else float(len(r)) for p, r in zip(prompts, responses)]
 
-    variances = reward_variance(engine, reward, PROMPTS, k=3, sampling=sampling, batch_size=8)
+    variances = reward_variance(engine.generate, reward, PROMPTS, k=3, sampling=sampling, batch_size=8)
     same = engine.generate(PROMPTS, 3, sampling)
     expected = torch.tensor(reward(same.prompts, same.texts), dtype=torch.float64).view(3, 3).var(-1)
     torch.testing.assert_close(variances, expected)
     assert variances[1] == 0.0
 
-    kept, report = PromptFilter(k=3, epsilon=1e-9, sampling=sampling, batch_size=8)(engine, reward, PROMPTS)
+    kept, report = PromptFilter(k=3, epsilon=1e-9, sampling=sampling, batch_size=8)(
+        engine.generate, reward, PROMPTS
+    )
     expected_kept = [p for p, v in zip(PROMPTS, expected.tolist()) if v >= 1e-9]
     assert kept == expected_kept and PROMPTS[1] not in kept
     assert report["dropped"] == 3 - len(kept)
     with pytest.raises(ValueError, match="k >= 2"):
-        reward_variance(engine, reward, PROMPTS, k=1, sampling=sampling)
-
-
-def test_show_phase_updates_tqdm_description():
-    class Bar:
-        is_enabled = True
-
-        def __init__(self):
-            self._train_progress_bar = self
-            self.disable = False
-            self.descriptions = []
-
-        def set_description(self, text, refresh=True):
-            self.descriptions.append(text)
-
-    class Trainer:
-        current_epoch = 2
-        progress_bar_callback = Bar()
-
-    trainer = Trainer()
-    RolloutLoop().show_phase(trainer, "rollout")
-    assert trainer.progress_bar_callback.descriptions == ["Epoch 2 [rollout]"]
+        reward_variance(engine.generate, reward, PROMPTS, k=1, sampling=sampling)

@@ -9,7 +9,7 @@ import torch
 
 from alignlit.checks import resolve_registered
 from alignlit.losses import POLICY_LOSSES, policy_gradient_loss, register_policy_loss
-from alignlit.losses.policy_gradient import cispo
+from alignlit.losses.policy_losses import cispo
 
 # Two sequences, log π_old = -2, ε_low = 0.2, ε_high = 0.28, advantages (N,) = (+1, -2) broadcast over tokens.
 # Row 0 has 3 valid tokens, row 1 two; row 1's padding holds ρ = 7 (must be ignored).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -172,11 +172,3 @@ def balance_lengths(
         report[f"{name}_dropped"] = len(group_l) + len(group_s) - 2 * n
     report["length_balance_dropped"] = len(chosen_lengths) - len(kept)
     return sorted(kept), report
-
-
-def merge_reports(*reports: dict[str, int]) -> dict[str, int]:
-    """Sum the counts of several reports."""
-    total: Counter[str] = Counter()
-    for r in reports:
-        total.update(r)
-    return dict(total)

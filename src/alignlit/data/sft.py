@@ -5,12 +5,12 @@ from __future__ import annotations
 from functools import partial
 
 from alignlit.data.args import check_choice
-from alignlit.data.base import AlignDataModule, read_split, resolve_tokenizer, split_indices
+from alignlit.data.base import AlignDataModule
 from alignlit.data.encoding import OVERFLOW_CHOICES, Overflow, Truncation, check_lengths, collate_lm
 from alignlit.data.prompts import PromptTruncation
 from alignlit.data.records import Record, parse_prompt, parse_prompt_response
 
-__all__ = ["PromptDataModule", "SFTDataModule", "read_split", "resolve_tokenizer", "split_indices"]
+__all__ = ["PromptDataModule", "SFTDataModule"]
 
 
 class SFTDataModule(AlignDataModule):

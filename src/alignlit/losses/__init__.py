@@ -4,13 +4,11 @@ from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_met
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
 from alignlit.losses.policy_gradient import (
     LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
     LossAggregation,
-    PolicyLoss,
     policy_gradient_loss,
     register_aggregation,
-    register_policy_loss,
 )
+from alignlit.losses.policy_losses import POLICY_LOSSES, PolicyLoss, register_policy_loss
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.losses.preference import (
     ab_order_averaged_probability,

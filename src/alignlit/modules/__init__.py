@@ -1,37 +1,38 @@
-"""One LightningModule per stage."""
+"""One LightningModule per stage, on two bases: :class:`AlignModule` (every stage) and
+:class:`OnlineModule` (the online stages, which train on a :class:`Trajectory` in :class:`Minibatches`)."""
 
 from alignlit.models.lora import LoRA
 from alignlit.modules.base import AlignModule, Optim
-from alignlit.modules.online import KLPenalty, OnlineModule, PtxMix
-from alignlit.modules.sft import SFTModule
-
-__all__ = ["AlignModule", "KLPenalty", "LoRA", "OnlineModule", "Optim", "PtxMix", "SFTModule"]
-
+from alignlit.modules.dpo import DPOModule
+from alignlit.modules.online import OnlineModule
+from alignlit.modules.online_dpo import OnlineDPOModule
+from alignlit.modules.online_parts import KLPenalty, PtxMix, TrainedModel
+from alignlit.modules.online_rrhf import OnlineRRHFModule
+from alignlit.modules.pairpref import PairwisePrefModule
+from alignlit.modules.policy_gradient import PolicyGradientModule
 from alignlit.modules.ppo import PPOModule
+from alignlit.modules.reward import RewardModule
+from alignlit.modules.rrhf import RRHFModule
+from alignlit.modules.sft import SFTModule
+from alignlit.modules.trajectory import Minibatches, Trajectory
 
-__all__ += ["PPOModule"]
-
-from alignlit.modules.reward import RewardModule  # noqa: E402
-
-__all__ += ["RewardModule"]
-
-from alignlit.modules.pairpref import PairwisePrefModule  # noqa: E402
-
-__all__ += ["PairwisePrefModule"]
-
-from alignlit.modules.dpo import DPOModule  # noqa: E402
-from alignlit.modules.rrhf import RRHFModule  # noqa: E402
-
-__all__ += ["DPOModule", "RRHFModule"]
-
-from alignlit.modules.policy_gradient import PolicyGradientModule  # noqa: E402
-
-__all__ += ["PolicyGradientModule"]
-
-from alignlit.modules.online_dpo import OnlineDPOModule, PreferenceRanking  # noqa: E402
-
-__all__ += ["OnlineDPOModule", "PreferenceRanking"]
-
-from alignlit.modules.online_rrhf import OnlineRRHFModule  # noqa: E402
-
-__all__ += ["OnlineRRHFModule"]
+__all__ = [
+    "AlignModule",
+    "DPOModule",
+    "KLPenalty",
+    "LoRA",
+    "Minibatches",
+    "OnlineDPOModule",
+    "OnlineModule",
+    "OnlineRRHFModule",
+    "Optim",
+    "PPOModule",
+    "PairwisePrefModule",
+    "PolicyGradientModule",
+    "PtxMix",
+    "RRHFModule",
+    "RewardModule",
+    "SFTModule",
+    "TrainedModel",
+    "Trajectory",
+]

@@ -3,6 +3,7 @@ activation checkpointing of the trained models, sharding under ``ModelParallelSt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -14,8 +15,10 @@ import torch
 
 from alignlit.checks import validate_optimizer_args
 from alignlit.models.export import export_pretrained
-from alignlit.models.loading import enable_gradient_checkpointing
-from alignlit.models.lora import LoRA, apply_lora
+from alignlit.models.loading import DTYPES, enable_gradient_checkpointing, load_policy
+from alignlit.models.lora import AdapterDisabled, LoRA, apply_lora
+from alignlit.models.modes import disable_dropout
+from alignlit.models.tiny import TinyLlama
 
 
 def warmup_cosine(
@@ -341,3 +344,42 @@ class AlignModule(L.LightningModule):
             path = self.export(self.export_dir, state_dict=state)
             print(f"alignlit: exported {self.stage} result to {path}")
         self.trainer.strategy.barrier("alignlit-export")
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a frozen model: dropout off, no gradients, eval mode."""
+    return disable_dropout(model).requires_grad_(False).eval()
+
+
+def load_policy_and_reference(
+    module: AlignModule,
+    policy: str | TinyLlama,
+    reference: str | None,
+    *,
+    copy_policy: bool,
+    dtype: str,
+    frozen_dtype: str,
+    gradient_checkpointing: bool,
+) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
+    """The trained policy of ``module`` and its frozen reference ``π_0``, built in the one order that works.
+
+    The policy is loaded (``dtype``), prepared (:meth:`AlignModule.prepare_trained`: activation
+    checkpointing, ``module.lora``), with dropout off and in train mode. The reference is the model at
+    the directory ``reference`` (``frozen_dtype``); or, when ``reference`` is None and ``copy_policy``,
+    the policy's starting weights: with LoRA the policy's base with the adapter disabled (no second
+    copy), else a copy taken before any adapter is injected; or None. Returns
+    ``(policy, tokenizer, reference)``.
+    """
+    model, tokenizer = (
+        load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
+    )
+    ref = None
+    if reference is not None:
+        ref = load_policy(reference, dtype=frozen_dtype)[0]
+    elif copy_policy and module.lora is None:
+        ref = copy.deepcopy(model).to(DTYPES[frozen_dtype])  # before the adapter and checkpointing
+    module.prepare_trained(model, gradient_checkpointing=gradient_checkpointing)
+    disable_dropout(model).train()  # from_pretrained returns eval mode
+    if reference is None and copy_policy and module.lora is not None:
+        ref = AdapterDisabled(model)
+    return model, tokenizer, (frozen(ref) if ref is not None else None)

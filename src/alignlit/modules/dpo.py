@@ -3,7 +3,6 @@ loss, with an optional SFT term (RPO)."""
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,7 @@ from torchmetrics import MeanMetric
 
 from alignlit.losses import PreferenceLoss
 from alignlit.models.loading import check_dtype, load_policy
-from alignlit.models.lora import AdapterDisabled, LoRA
-from alignlit.models.modes import disable_dropout
+from alignlit.models.lora import LoRA
 from alignlit.models.reference_cache import (
     ReferenceCache,
     cache_file,
@@ -22,7 +20,7 @@ from alignlit.models.reference_cache import (
     reference_fingerprint,
 )
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, Optim, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite, frozen, load_policy_and_reference
 from alignlit.modules.preference_objective import PreferenceObjective
 
 log = logging.getLogger(__name__)
@@ -112,20 +110,15 @@ class DPOModule(AlignModule):
         self.save_hyperparameters()
         if self.hparams.get("loss_type") is loss_type and not isinstance(loss_type, str):
             self.hparams["loss_type"] = self.objective.name  # checkpoints hold plain values only
-        self.policy, self.tokenizer = (
-            load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
-        )
-        # Not registered as a submodule: it is frozen and never part of checkpoints or of DDP.
-        self._reference: list[torch.nn.Module] = []
         starts_at_policy = self.reference_source is policy
-        if isinstance(self.reference_source, TinyLlama) and lora is None:
-            self._reference.append(_frozen(copy.deepcopy(self.policy).to(getattr(torch, self.frozen_dtype))))
-        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
-        disable_dropout(self.policy).train()  # from_pretrained returns eval mode
-        if lora is not None and starts_at_policy:
-            self._reference.append(AdapterDisabled(self.policy))
-        elif self.reference_source is not None and not precompute_reference and not self._reference:
-            self._reference.append(self._load_reference())
+        copy_policy = starts_at_policy and (lora is not None or isinstance(policy, TinyLlama))
+        load_now = self.reference_source is not None and not precompute_reference and not copy_policy
+        self.policy, self.tokenizer, reference_model = load_policy_and_reference(
+            self, policy, self.reference_source if load_now else None, copy_policy=copy_policy,
+            dtype=dtype, frozen_dtype=self.frozen_dtype, gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        # Not registered as a submodule: it is frozen and never part of checkpoints or of DDP.
+        self._reference: list[torch.nn.Module] = [reference_model] if reference_model is not None else []
         self.reference_cache: ReferenceCache | None = None
         #: "hit" or "miss" once the precomputed reference cache has been resolved
         self.reference_cache_status: str | None = None
@@ -138,7 +131,7 @@ class DPOModule(AlignModule):
         return self._reference[0] if self._reference else None
 
     def _load_reference(self) -> torch.nn.Module:
-        return _frozen(load_policy(self.reference_source, dtype=self.frozen_dtype)[0])
+        return frozen(load_policy(self.reference_source, dtype=self.frozen_dtype)[0])
 
     def prepare_reference(self, datamodule=None) -> None:
         """Resolve the reference log-probs cache: load it on a hit, compute and write it on a miss.
@@ -222,9 +215,3 @@ class DPOModule(AlignModule):
 
     def configure_optimizers(self):
         return self.configure_adamw(self.policy.parameters())
-
-
-def _frozen(model: torch.nn.Module) -> torch.nn.Module:
-    disable_dropout(model).eval()
-    model.requires_grad_(False)
-    return model

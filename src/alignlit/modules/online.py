@@ -1,40 +1,38 @@
 """The base of every online stage: rollouts of the current policy interleaved with gradient steps.
 
 Lightning 2.x has no loop-replacement API, so an online stage uses manual optimisation and one
-``training_step`` is one *rollout*: :class:`OnlineModule` samples responses to the prompt batch
-through the :class:`~alignlit.rollout.RolloutLoop` and scores them with the reward, then the stage's
-:meth:`OnlineModule.train_on` turns the scored :class:`~alignlit.rollout.Experience` into updates
-(PPO: advantages and minibatch epochs; online DPO: pairs; policy gradients: group advantages).
+``training_step`` is one *rollout*: :class:`OnlineModule` collects the samples of the prompt batch
+(:meth:`~alignlit.modules.collect.TrajectoryBuilder.collect`: sync, generate, score), builds their
+:class:`~alignlit.modules.trajectory.Trajectory` once (old and reference log-probs, KL, importance
+weights, loss mask), decides on every rank whether there is anything to learn from, and hands the
+trajectory to the stage's :meth:`OnlineModule.train_on`, which computes its advantages or targets and
+runs its own minibatch loop (:meth:`OnlineModule.minibatches`, :meth:`OnlineModule.update`).
 
-Everything else lives here, once: loading the policy, the frozen reference ``π_0`` and the reward;
-dropout off (log-prob ratios must compare the same function); the prompt filter (ChatGLM §3.4);
-the ptx (SFT-loss) mixer and ``val/sft_nll``; validation sampling (``val/reward``, ``val/gold``,
-``val/kl``, ``val/length``); per-rollout warmup + cosine LR schedules; gradient-norm clipping; the
-phase shown in the progress bar; the curves PNG/JSON; checkpoints that leave the frozen models out
-and keep every piece of online state (loop counters and RNGs, ptx loader position, history) for an
-exact resume. The parts that are not the loop (the KL and ptx settings, the ptx mixer, the phase
-display, the statistics over several ranks) are in :mod:`alignlit.modules.online_parts`.
+Everything else lives here, once: the policy, the frozen reference ``π_0`` and the reward; the KL
+controller; the policy's version (its optimiser steps, recorded on every sample); the prompt filter
+(ChatGLM §3.4); the ptx (SFT-loss) mixer and ``val/sft_nll``; validation sampling (``val/reward``,
+``val/gold``, ``val/kl``, ``val/length``); per-rollout warmup + cosine LR schedules; gradient-norm
+clipping; the phase in the progress bar; the curves PNG/JSON; checkpoints that leave the frozen models
+out and keep every piece of online state for an exact resume.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from alignlit.data.sampler import data_parallel_rank
-from alignlit.data.sft import SFTDataModule
-from alignlit.models.forward import response_logprobs
-from alignlit.models.loading import DTYPES, check_dtype, load_policy
+from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
-from alignlit.models.modes import disable_dropout, eval_mode
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, Optim, check_finite
+from alignlit.modules.base import AlignModule, Optim, check_finite, load_policy_and_reference
+from alignlit.modules.collect import TrajectoryBuilder
 from alignlit.modules.online_parts import (
     DataParallelStats,
     KLPenalty,
@@ -42,17 +40,19 @@ from alignlit.modules.online_parts import (
     PtxMix,
     PtxMixer,
     TrainedModel,
+    ValidationSampling,
 )
-from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
-from alignlit.rollout.base import Rollout, SamplingParams
-from alignlit.rollout.loop import Experience, RolloutLoop
+from alignlit.modules.trajectory import Minibatches, Trajectory
+from alignlit.ops import DynamicSampling, Overlong
+from alignlit.rollout.base import SamplingParams
+from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
+from alignlit.rollout.reward import Reward, RewardFn, resolve_reward
 
-__all__ = ["KLPenalty", "OnlineModule", "PhaseDisplay", "PtxMix", "TrainedModel"]
+__all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
-class OnlineModule(DataParallelStats, AlignModule):
+class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -67,17 +67,23 @@ class OnlineModule(DataParallelStats, AlignModule):
             (see :mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
             ``lora``, the policy's base with the adapter disabled, no second copy).
-        rollout: the rollout loop (engine, sampling, samples per prompt, epochs, minibatch size, parity
-            checks); default ``RolloutLoop()``.
+        rollout: how samples are collected (engine, sampling, samples per prompt, parity checks, seed);
+            default ``RolloutLoop()``.
+        minibatches: how the stage cuts a rollout into optimiser steps (size, epochs or steps, shuffle).
+        kl: the KL(π‖π_0) penalty in the reward, fixed or adaptive ``β`` (None: off; PPO's default is on).
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
         max_grad_norm: global gradient-norm clipping of each trained model (None: off).
         tis_cap: truncated importance sampling of the rollout/trainer mismatch (algorithms.md §11):
             each token's policy loss is weighted by ``min(π_old(y_t)/μ(y_t), C)``, ``μ`` the engine's
             sampling distribution, ``C = tis_cap`` (None: off). The mismatch itself is logged every
             rollout either way (``mismatch/*``).
+        dynamic_sampling: DAPO dynamic sampling (keep the groups whose rewards differ, refill from more
+            prompts; needs ``samples_per_prompt >= 2``; single process); None: off.
+        overlong: DAPO's filtering of, or penalty on, responses cut at the token limit; None: off.
         ptx: SFT data mixed into policy updates and scored as ``val/sft_nll`` (None: off).
         prompt_filter: drop training prompts with low reward variance under the initial policy
-            (ChatGLM §3.4), applied to the DataModule's ``train_prompts`` at the start of fit.
+            (ChatGLM §3.4), applied to the DataModule's ``train_prompts`` at the start of fit; the kept
+            prompts are saved in checkpoints, so a resume trains on the same ones.
         gold: a reward scored on validation samples as ``val/gold`` (e.g. the simulated task's gold
             reward); None: not logged.
         val_sampling: sampling of validation responses (default: the rollout's); validation batch
@@ -109,6 +115,10 @@ class OnlineModule(DataParallelStats, AlignModule):
         ("time/train_s", "train time (s)"),
     )
     """``(history key, panel title)`` of the curves PNG."""
+    hparams_ignore: ClassVar[tuple[str, ...]] = ("reward", "rollout", "prompt_filter", "gold", "val_sampling")
+    """Arguments left out of the checkpoint's hyperparameters (objects; the CLI records the config)."""
+    min_loss_tokens: int = 1
+    """A rollout with fewer loss tokens (over every rank) is skipped and counted."""
 
     def __init__(
         self,
@@ -116,9 +126,13 @@ class OnlineModule(DataParallelStats, AlignModule):
         reward: str | Reward,
         reference: str | None = None,
         rollout: RolloutLoop | None = None,
+        minibatches: Minibatches = Minibatches(),
+        kl: KLPenalty | None = None,
         optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
         max_grad_norm: float | None = 1.0,
         tis_cap: float | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
+        overlong: Overlong | None = None,
         ptx: PtxMix | None = None,
         prompt_filter: PromptFilter | None = None,
         gold: RewardFn | None = None,
@@ -133,55 +147,73 @@ class OnlineModule(DataParallelStats, AlignModule):
         shard_frozen: bool = False,
     ):
         super().__init__(export_dir=export_dir, optim=optim, lora=lora)
+        self.save_hyperparameters(ignore=list(self.hparams_ignore))  # the stage's arguments too
         frozen_dtype = check_dtype(frozen_dtype or dtype, "frozen_dtype")
-        self.gradient_checkpointing = gradient_checkpointing
-        self.shard_frozen = shard_frozen
+        self.rollout = rollout if rollout is not None else RolloutLoop()
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if tis_cap is not None and tis_cap < 1:
             raise ValueError(f"tis_cap must be >= 1 or None, got {tis_cap}")
-        self.tis_cap = tis_cap
         if reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")
+        if dynamic_sampling is not None and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"dynamic_sampling compares the rewards of a prompt's samples: rollout.samples_per_prompt must be "
+                f">= 2, got {self.rollout.samples_per_prompt}"
+            )
+        if (
+            overlong is not None
+            and overlong.mode == "penalty"
+            and overlong.buffer > self.rollout.sampling.max_new_tokens
+        ):
+            raise ValueError(
+                f"overlong.buffer ({overlong.buffer}) must be <= rollout.sampling.max_new_tokens "
+                f"({self.rollout.sampling.max_new_tokens})"
+            )
         self.automatic_optimization = False
-        self.max_grad_norm = max_grad_norm
-        self.rollout = rollout if rollout is not None else RolloutLoop()
+        self.gradient_checkpointing, self.shard_frozen = gradient_checkpointing, shard_frozen
+        self.max_grad_norm, self.tis_cap = max_grad_norm, tis_cap
+        self.minibatch_plan = minibatches
+        self.kl, self.kl_ctl = kl, (kl.controller() if kl is not None else None)
+        self.dynamic_sampling, self.overlong = dynamic_sampling, overlong
         self.ptx_mixer = PtxMixer(ptx)
-        self.prompt_filter = prompt_filter
-        self.gold = gold
-        self.val_sampling = val_sampling
+        self.prompt_filter, self.gold, self.val_sampling = prompt_filter, gold, val_sampling
         self.curves_file = curves_file
 
-        self.policy, self.tokenizer = (
-            load_policy(policy) if isinstance(policy, TinyLlama) else load_policy(policy, dtype=dtype)
-        )
+        self.policy, self.tokenizer, self.reference = load_policy_and_reference(
+            self, policy, reference, copy_policy=True, dtype=dtype, frozen_dtype=frozen_dtype,
+            gradient_checkpointing=gradient_checkpointing,
+        )  # fmt: skip
+        limit = getattr(self.policy.config, "max_position_embeddings", None)
+        if limit is not None and self.rollout.sampling.max_new_tokens >= limit:
+            raise ValueError(
+                f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}) leaves no room for a "
+                f"prompt in the policy's {limit} positions (max_position_embeddings)"
+            )
         self._policy_dir = None if isinstance(policy, TinyLlama) else str(policy)
         self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else str(policy)
-        if reference is not None:
-            reference_model = load_policy(reference, dtype=frozen_dtype)[0]
-        elif lora is None:
-            reference_model = copy.deepcopy(self.policy).to(DTYPES[frozen_dtype])
-        self.prepare_trained(self.policy, gradient_checkpointing=gradient_checkpointing)
-        disable_dropout(self.policy).train()
-        if reference is None and lora is not None:
-            reference_model = AdapterDisabled(self.policy)
-        self.reference = disable_dropout(reference_model).requires_grad_(False).eval()
-
         self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=frozen_dtype)
         model = getattr(self.reward, "model", None)
         # registered as a submodule so it follows the module's device; left out of checkpoints
         self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
 
+        self.policy_version = 0
+        """Optimiser steps of the policy so far: the version of its weights, recorded on every sample."""
+        self.minibatch_generator = torch.Generator().manual_seed(self.rollout.seed)
+        self.refill_generator = torch.Generator().manual_seed(self.rollout.seed)
+        self.kept_prompts: list[str] | None = None
+        """The training prompts the prompt filter kept (None: no filter, or not run yet)."""
         self.history: list[dict[str, float]] = []
-        self.skipped_rollouts = 0
+        self.skipped_rollouts = self.trained_rollouts = 0
         self._phase = PhaseDisplay()
         self._stepped: set[int] = set()
         self._planned_rollouts = 1
         self._val_records: list[dict[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ what a stage implements
-    def train_on(self, experience: Experience) -> dict[str, float]:
-        """Update the trained models on one scored rollout (with :meth:`update`); returns metrics."""
+    def train_on(self, trajectory: Trajectory) -> dict[str, float]:
+        """Compute the stage's advantages or targets from ``trajectory`` and update the trained models
+        on them (:meth:`minibatches`, :meth:`update`); returns metrics."""
         raise NotImplementedError
 
     def trained_models(self) -> list[TrainedModel]:
@@ -220,6 +252,11 @@ class OnlineModule(DataParallelStats, AlignModule):
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self._trainer is not None else 1
+        if self.dynamic_sampling is not None and world > 1:
+            raise ValueError(
+                f"dynamic_sampling keeps a different number of groups on each rank, so the {world} ranks "
+                "would take different numbers of optimizer steps: run it in a single process"
+            )
         self.rollout.setup(
             self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world,
             data_parallel=data_parallel_rank(self._trainer) if world > 1 else None,
@@ -231,20 +268,7 @@ class OnlineModule(DataParallelStats, AlignModule):
         self.ptx_mixer.setup(self._tokenizer_dir, self._trainer)
 
     def on_fit_start(self) -> None:
-        if self.prompt_filter is None:
-            return
-        dm = self.trainer.datamodule
-        if dm is None or not hasattr(dm, "train_prompts"):
-            raise ValueError("prompt_filter needs a DataModule with `train_prompts` (e.g. PromptDataModule)")
-        dm.train_prompts, report = self.prompt_filter(
-            self.rollout.synced_engine(),
-            self.reward,
-            dm.train_prompts,
-            default_sampling=self.rollout.sampling,
-        )
-        if not dm.train_prompts:
-            raise ValueError(f"prompt_filter dropped every training prompt ({report}); lower epsilon")
-        print(f"alignlit: prompt filter kept {int(report['kept'])} of {int(report['prompts'])} prompts")
+        self.prepare_prompts(self.trainer.datamodule)
 
     def on_train_start(self) -> None:
         planned = self.trainer.estimated_stepping_batches
@@ -265,9 +289,21 @@ class OnlineModule(DataParallelStats, AlignModule):
     def _listed(self, value) -> list:
         return value if isinstance(value, list) else [value]
 
+    def minibatches(self, num_rows: int) -> Iterator[torch.Tensor]:
+        """The row indices of each optimiser step over ``num_rows`` rows (``minibatches``, drawn with the
+        stage's seeded generator, saved in checkpoints)."""
+        return self.minibatch_plan.plan(num_rows, self.minibatch_generator)
+
+    def trainable(self, trajectory: Trajectory) -> Trajectory:
+        """The samples to update on: those with a loss token; with several ranks all of them (masked),
+        so that every rank takes as many optimiser steps."""
+        if self._trainer is not None and self.trainer.world_size > 1:
+            return trajectory
+        return trajectory.with_loss_tokens()
+
     def update(self, name: str, loss: torch.Tensor) -> torch.Tensor:
         """Backward ``loss``, clip the gradient norm of the trained model ``name`` and step its optimizer;
-        returns the norm before clipping. A policy update marks the rollout engine stale."""
+        returns the norm before clipping. A policy step advances :attr:`policy_version`."""
         names = [t.name for t in self.trained_models()]
         if name not in names:
             raise KeyError(f"{type(self).__name__} trains {names}, not {name!r}")
@@ -280,67 +316,48 @@ class OnlineModule(DataParallelStats, AlignModule):
         optimizer.step()
         self._stepped.add(index)
         if model is self.policy:
-            self.rollout.mark_stale()
+            self.policy_version += 1
         return norm
 
     def training_step(self, prompts: list[str], batch_idx: int) -> None:
         self._phase.show(self.trainer, "rollout")
         start = time.perf_counter()
-        experience = self.rollout.collect(prompts, self.reward)
-        metrics = {**self.rollout.metrics, "time/rollout_s": time.perf_counter() - start}
+        experience, metrics = self.collect(prompts)
+        metrics["time/rollout_s"] = time.perf_counter() - start
 
         self._phase.show(self.trainer, "train")
         start = time.perf_counter()
         self._stepped = set()
-        metrics.update(self.train_on(experience))
+        metrics.update(self._train(experience) if experience is not None else self.skip(
+            "every group's rewards are equal (no informative group)"
+        ))  # fmt: skip
         schedulers = self._listed(self.lr_schedulers())
         for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
             schedulers[index].step()
+        self.trained_rollouts += bool(self._stepped)
         metrics["time/train_s"] = time.perf_counter() - start
         for trained, scheduler in zip(self.trained_models(), schedulers):
             metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
         metrics["rollout"] = float(self.rollout.rollouts)
         metrics["rollout/skipped_total"] = float(self.skipped_rollouts)
+        metrics["policy/version"] = float(self.policy_version)
         self.history.append(dict(metrics))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(experience))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
         shown = {name: metrics[k] for name, k in (("reward", "reward/raw"), ("kl", "kl/ref")) if k in metrics}
-        self.log_dict(shown, prog_bar=True, logger=False, batch_size=len(experience))
+        self.log_dict(shown, prog_bar=True, logger=False, batch_size=len(prompts))
 
-    @torch.no_grad()
-    def old_logprobs(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """The trainer's ``log π_old`` of the sampled tokens and the rollout/trainer mismatch (§11).
-
-        Returns ``(old_logprobs (N, T), is_weights (N, T) or None, metrics)``: the policy's
-        teacher-forced log-probs (eval mode, on this module's device), the truncated importance
-        weights ``min(exp(log π_old - log μ), tis_cap)`` when ``tis_cap`` is set, and ``mismatch/*``
-        metrics comparing them with the engine's ``log μ`` (``rollout.logprobs``), and ``time/old_logp_s``.
-        """
-        ids = [
-            t.to(self.device)
-            for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
-        ]
-        start = time.perf_counter()
-        with eval_mode(self.policy):
-            old = response_logprobs(
-                self.policy, *ids, temperature=self.rollout.sampling.temperature
-            )  # (N, T)
-        timing = {"time/old_logp_s": time.perf_counter() - start}
-        engine = rollout.logprobs.to(device=self.device, dtype=old.dtype)  # (N, T)
-        mask = ids[3]
-        if not mask.any():
-            return old, None, timing
-        metrics = {
-            **timing,
-            **{
-                f"mismatch/{k.removeprefix('mismatch_')}": float(v)
-                for k, v in logprob_mismatch(old, engine, mask).items()
-            },
-        }
-        weights = None
-        if self.tis_cap is not None:
-            weights = truncated_is_weights(old, engine, mask, cap=self.tis_cap)  # (N, T)
-            metrics["mismatch/is_weight_mean"] = float(weights[mask].mean())
-        return old, weights, metrics
+    def _train(self, experience) -> dict[str, float]:
+        trajectory, metrics = self.make_trajectory(experience)
+        tokens = int(self.all_reduce_sum(trajectory.loss_mask.sum()))  # decided over every rank
+        if tokens < self.min_loss_tokens:
+            return {
+                **metrics,
+                **self.skip(f"{tokens} loss token(s), {self.stage} needs {self.min_loss_tokens}"),
+            }
+        metrics.update(self.train_on(trajectory))
+        if self.kl_ctl is not None and 0 in self._stepped:  # the mean KL over the global batch's responses
+            self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(trajectory), len(trajectory))
+        return metrics
 
     def skip(self, reason: str) -> dict[str, float]:
         """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
@@ -348,60 +365,11 @@ class OnlineModule(DataParallelStats, AlignModule):
         print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
         return {"rollout/skipped": 1.0}
 
-    # ------------------------------------------------------------------ ptx
-    @property
-    def ptx(self) -> PtxMix | None:
-        """The ptx settings (None: off)."""
-        return self.ptx_mixer.config
-
-    @property
-    def ptx_data(self) -> SFTDataModule | None:
-        """The encoded ptx data (after :meth:`setup_ptx`; None without ptx)."""
-        return self.ptx_mixer.data
-
-    def ptx_nll(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Token-mean NLL of the policy on a batch of human (prompt, response) pairs (ChatGLM eq. 6)."""
-        return self.ptx_mixer.nll(self.policy, batch, self.device)
-
     def add_ptx(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, what: str) -> torch.Tensor:
         """``loss + ptx.coef · NLL`` on the next ptx batch (metric ``ptx_nll``), checked finite."""
         loss = self.ptx_mixer.add(loss, metrics, self.policy, self.device)
         check_finite(loss, what=what, step=self.global_step, metrics=metrics)
         return loss
-
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
-        sampling = self.val_sampling or self.rollout.sampling
-        sampling = dataclasses.replace(sampling, seed=self.rollout.seed + batch_idx)
-        rollout = self.rollout.generate(prompts, n=1, sampling=sampling)
-        mask = rollout.response_mask.to(self.device)
-        ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
-        ref = response_logprobs(
-            self.reference, *(t.to(self.device) for t in ids), temperature=sampling.temperature
-        )
-        record = {
-            "val/reward": score_rollout(self.reward, rollout),
-            "val/kl": ((rollout.logprobs.to(self.device) - ref) * mask).sum(-1).cpu(),
-            "val/length": rollout.response_lengths.float(),
-        }
-        if self.gold is not None:
-            record["val/gold"] = score_rollout(self.gold, rollout)
-        self._val_records.append(record)
-
-    def on_validation_epoch_end(self) -> None:
-        records, self._val_records = self._val_records, []
-        metrics: dict[str, float] = {}
-        if records:
-            metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]}
-        sft_nll = self.ptx_mixer.val_nll(self.policy, self.device)
-        if sft_nll is not None:
-            metrics["val/sft_nll"] = sft_nll
-        if metrics:
-            if not self.trainer.sanity_checking:
-                self.log_dict(metrics, sync_dist=True)
-            # the sanity check before training (``num_sanity_val_steps: -1`` runs all validation
-            # batches) is the curves' starting point
-            self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
 
     # ------------------------------------------------------------------ checkpoints and curves
     @property
@@ -416,8 +384,14 @@ class OnlineModule(DataParallelStats, AlignModule):
             del state[key]
         checkpoint[self.state_key] = {
             "rollout": self.rollout.state_dict(),
+            "policy_version": self.policy_version,
+            "minibatch_generator": self.minibatch_generator.get_state(),
+            "refill_generator": self.refill_generator.get_state(),
+            "kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None,
+            "kept_prompts": self.kept_prompts,
             "history": list(self.history),
             "skipped_rollouts": self.skipped_rollouts,
+            "trained_rollouts": self.trained_rollouts,
             "ptx_loader": self.ptx_mixer.state_dict(),
             "torch_rng": torch.get_rng_state(),
             **self.online_state_dict(),
@@ -434,8 +408,17 @@ class OnlineModule(DataParallelStats, AlignModule):
             module = getattr(self, prefix.rstrip("."))
             checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
         self.rollout.load_state_dict(state["rollout"])
+        self.policy_version = int(state["policy_version"])
+        self.minibatch_generator.set_state(state["minibatch_generator"])
+        self.refill_generator.set_state(state["refill_generator"])
+        if self.kl_ctl is not None:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.kept_prompts = state["kept_prompts"]
         self.history = list(state["history"])
-        self.skipped_rollouts = int(state["skipped_rollouts"])
+        self.skipped_rollouts, self.trained_rollouts = (
+            int(state["skipped_rollouts"]),
+            int(state["trained_rollouts"]),
+        )
         self.ptx_mixer.load_state_dict(state["ptx_loader"])
         torch.set_rng_state(state["torch_rng"])
         self.load_online_state_dict(state)
@@ -460,4 +443,15 @@ class OnlineModule(DataParallelStats, AlignModule):
 
     def on_fit_end(self) -> None:
         self.write_curves()
+        if self.global_rank == 0:
+            print(
+                f"alignlit: {self.stage}: {self.trained_rollouts} rollout(s) trained, {self.skipped_rollouts} "
+                f"skipped, policy version {self.policy_version}"
+            )
+            if self.trained_rollouts == 0:
+                warnings.warn(
+                    f"{self.stage}: no rollout was trained (all {self.skipped_rollouts} skipped): the export "
+                    "is the starting policy",
+                    stacklevel=1,
+                )
         super().on_fit_end()

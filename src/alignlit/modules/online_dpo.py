@@ -4,7 +4,7 @@ One ``training_step`` is one iteration ``t``: the DataModule's next prompt batch
 fresh slice of prompts, the base samples ``n`` responses per prompt from the current policy through
 the :class:`~alignlit.rollout.RolloutLoop` and scores them, and :meth:`OnlineDPOModule.train_on` pairs
 the best of ``n`` with the worst of ``n``, writes the iteration's data as JSONL and trains a registered
-preference loss on the pairs for ``dpo_epochs`` passes. ``T`` is the run's length in training steps.
+preference loss on the pairs for ``minibatches.epochs`` passes. ``T`` is the run's length in training steps.
 """
 
 from __future__ import annotations
@@ -19,113 +19,14 @@ from alignlit.data.preference import PairEncoder, PairExample, collate_preferenc
 from alignlit.data.processing import Pair
 from alignlit.data.records import read_records
 from alignlit.losses import PreferenceLoss
-from alignlit.models.reward import load_preference_model
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.preference_objective import PreferenceObjective
-from alignlit.rollout.base import Rollout
-from alignlit.rollout.loop import Experience
+from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.rollout.reward import Reward
 
 LengthUnit = Literal["tokens", "characters"]
-
-
-def length_reward_correlation(rewards: torch.Tensor, lengths: torch.Tensor) -> tuple[float, int, int]:
-    """Pearson correlation of reward and length within each prompt, averaged over prompts
-    (RLHF-Workflow §2.3, Fig. 5: ``n`` samples per prompt, one correlation per prompt).
-
-    Args:
-        rewards: (B, n) rewards of each prompt's samples.
-        lengths: (B, n) their lengths.
-
-    Returns:
-        ``(mean correlation, prompts used, prompts excluded)``: prompts whose rewards or lengths are
-        all equal have no correlation and are excluded (counted); the mean is NaN when none is left.
-    """
-    if rewards.dim() != 2 or rewards.shape != lengths.shape:
-        raise ValueError(
-            f"rewards and lengths must both be (B, n), got {tuple(rewards.shape)} and {tuple(lengths.shape)}"
-        )
-    r, n = rewards.double(), lengths.double()  # (B, n)
-    varies = (r.amax(-1) > r.amin(-1)) & (n.amax(-1) > n.amin(-1))  # (B,)
-    r, n = r[varies] - r[varies].mean(-1, keepdim=True), n[varies] - n[varies].mean(-1, keepdim=True)
-    corr = (r * n).sum(-1) / (r.pow(2).sum(-1) * n.pow(2).sum(-1)).sqrt()  # (B',)
-    used = int(varies.sum())
-    return (float(corr.mean()) if used else float("nan")), used, len(varies) - used
-
-
-def length_metrics(rollout: Rollout, rewards: torch.Tensor) -> dict[str, float]:
-    """Mean response length (tokens, characters) and the per-prompt reward-length correlation of a
-    rollout of ``n`` samples per prompt (:func:`length_reward_correlation`, token lengths)."""
-    tokens = rollout.response_lengths.float()  # (N,)
-    corr, used, excluded = length_reward_correlation(rewards.view(-1, rollout.n), tokens.view(-1, rollout.n))
-    metrics = {
-        "reward/raw": float(rewards.mean()),
-        "response/length": float(tokens.mean()),
-        "response/chars": sum(map(len, rollout.texts)) / len(rollout),
-        "length/corr_prompts": float(used),
-        "length/corr_excluded": float(excluded),
-    }
-    if used:
-        metrics["length/reward_corr"] = corr
-    return metrics
-
-
-class PreferenceRanking:
-    """A pairwise preference model (a :class:`~alignlit.modules.PairwisePrefModule` export) as the reward
-    of an online stage: the ``n`` samples of each prompt are scored together by
-    :meth:`~alignlit.models.PreferenceModel.rank` (RLHF-Workflow §2.2, §3.3), so best-of-n and worst-of-n
-    come from the preference model. Single samples (validation) score ½ in ``round_robin`` mode.
-
-    Args:
-        model: the preference model's export directory.
-        mode: ``"round_robin"`` (each sample's mean win probability against the prompt's other samples)
-            or ``"reference"`` (its win probability against the prompt's reference response).
-        references: records with ``prompt`` and ``response`` fields (e.g. SFT data) giving each
-            prompt's reference response; ``mode: reference`` only.
-        batch_size: pairs per forward pass (each pair is judged in both orders).
-        dtype: dtype the model is loaded in.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        mode: Literal["round_robin", "reference"] = "round_robin",
-        references: str | None = None,
-        batch_size: int = 16,
-        dtype: str = "float32",
-    ):
-        if (mode == "reference") != (references is not None):
-            raise ValueError(
-                "PreferenceRanking: mode 'reference' needs `references`; 'round_robin' takes none"
-            )
-        self.ranker = load_preference_model(model, batch_size=batch_size, dtype=dtype)
-        self.mode, self.references_file = mode, references
-        self.references = (
-            {r.text("prompt"): r.text("response") for r in read_records(references)} if references else {}
-        )
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The preference model's network (an online stage moves it with the module and keeps it frozen)."""
-        return self.ranker.model
-
-    def score_rollout(self, rollout: Rollout) -> torch.Tensor:
-        """(N,) scores of the samples of ``rollout``, ranked within each prompt's group of ``n``."""
-        n = rollout.n
-        prompts = rollout.prompts[::n]
-        groups = [rollout.texts[i * n : (i + 1) * n] for i in range(len(prompts))]
-        refs = None
-        if self.mode == "reference":
-            missing = [p for p in prompts if p not in self.references]
-            if missing:
-                raise KeyError(
-                    f"{self.references_file}: no reference response for prompt {missing[0]!r} "
-                    f"({len(missing)} of {len(prompts)} prompts have none)"
-                )
-            refs = [self.references[p] for p in prompts]
-        return torch.cat(self.ranker.rank(prompts, groups, mode=self.mode, reference_responses=refs))
 
 
 class OnlineDPOModule(OnlineModule):
@@ -138,7 +39,7 @@ class OnlineDPOModule(OnlineModule):
     (:func:`~alignlit.data.best_worst_pairs`; pairs of identical responses and pairs whose penalised
     gap is ``<= min_gap`` are dropped and counted). The policy, continuing from the last iterate, then
     trains ``loss_type`` (any registered preference loss, plus the RPO SFT term) on the training pairs
-    for ``dpo_epochs`` shuffled passes of ``rollout.minibatch_size`` pairs, one optimizer step each.
+    for ``minibatches.epochs`` shuffled passes of ``minibatches.size`` pairs, one optimizer step each.
     Pairs are re-tokenised from their texts (``prompt + response + EOS``, as offline DPO reads them).
     Each iteration's data is written to ``data_dir`` as ``iter_<t>.ranked.jsonl`` (``{"prompt",
     "responses", "scores", "lengths"}``, raw scores, token lengths, best first, blank samples left out)
@@ -167,7 +68,8 @@ class OnlineDPOModule(OnlineModule):
             whose pairs are mixed into every iteration's training pairs (hybrid learning).
         offline_pairs_per_iteration: offline pairs per iteration, consecutive slices of one seeded
             permutation (wrapping around); None: all of them every iteration.
-        dpo_epochs: passes over an iteration's training pairs.
+        minibatches: passes (``epochs``, default 2) of minibatches (``size`` pairs) over an iteration's
+            training pairs.
         reference_update: ``"initial"`` keeps ``π_0`` as the reference; ``"last_iterate"`` sets it to the
             policy at the start of each iteration ``t >= 2`` (its weights are then saved in checkpoints,
             and ``val/kl`` is measured against it).
@@ -180,6 +82,9 @@ class OnlineDPOModule(OnlineModule):
     """
 
     stage = "online_dpo"
+    hparams_ignore = (*OnlineModule.hparams_ignore, "loss_type")
+    needs_logprobs = False  # the pairs are re-read from their texts; the loss runs its own forwards
+    min_loss_tokens = 0  # a rollout is skipped when it yields no pair
     curve_panels = (
         ("reward/raw", "reward (raw)"),
         ("response/length", "response length (tokens)"),
@@ -209,7 +114,7 @@ class OnlineDPOModule(OnlineModule):
         pairs_from: Literal["all", "newest"] = "all",
         offline_pairs: str | None = None,
         offline_pairs_per_iteration: int | None = None,
-        dpo_epochs: int = 2,
+        minibatches: Minibatches = Minibatches(epochs=2),
         reference_update: Literal["initial", "last_iterate"] = "initial",
         train_max_length: int = 512,
         train_max_prompt_length: int = 256,
@@ -224,11 +129,8 @@ class OnlineDPOModule(OnlineModule):
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        if not (length_penalty >= 0 and min_gap >= 0 and dpo_epochs >= 1):
-            raise ValueError(
-                f"length_penalty and min_gap must be >= 0 and dpo_epochs >= 1, got {length_penalty}, "
-                f"{min_gap}, {dpo_epochs}"
-            )
+        if not (length_penalty >= 0 and min_gap >= 0):
+            raise ValueError(f"length_penalty and min_gap must be >= 0, got {length_penalty}, {min_gap}")
         if offline_pairs_per_iteration is not None and (
             offline_pairs is None or offline_pairs_per_iteration < 1
         ):
@@ -240,18 +142,17 @@ class OnlineDPOModule(OnlineModule):
                 "reference_update 'last_iterate' copies the policy's weights into a reference model of its "
                 "own; with lora the reference is the policy with its adapter disabled: use 'initial'"
             )
-        rollout = kwargs.get("rollout")
-        n, epochs = (rollout.samples_per_prompt, rollout.epochs) if rollout is not None else (1, 1)
-        if n < 2 or epochs != 1:
+        if kwargs.get("kl") is not None:
             raise ValueError(
-                "online DPO needs rollout.samples_per_prompt >= 2 (best vs worst of n) and rollout.epochs = 1 "
-                f"(its passes over the pairs are dpo_epochs); got {n} and {epochs}"
+                "kl penalises a reward the policy gradient follows; online DPO's KL control is its β"
             )
         objective = PreferenceObjective(loss_type, loss_args, beta=beta, sft_weight=sft_weight)
-        super().__init__(policy, reward, **kwargs)
-        self.save_hyperparameters(
-            ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling", "loss_type"]
-        )
+        super().__init__(policy, reward, minibatches=minibatches, **kwargs)
+        if self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                "online DPO pairs the best with the worst of n samples: rollout.samples_per_prompt must be >= 2, "
+                f"got {self.rollout.samples_per_prompt}"
+            )
         self.objective = objective
         self.hparams["loss_type"] = objective.name
         self.encoder = PairEncoder(
@@ -289,11 +190,11 @@ class OnlineDPOModule(OnlineModule):
         self.iteration_pairs = [list(pairs) for pairs in state["iteration_pairs"]]
 
     # ------------------------------------------------------------------ one iteration
-    def groups(self, experience: Experience) -> list[RankedGroup]:
+    def groups(self, trajectory: Trajectory) -> list[RankedGroup]:
         """One group per prompt: its ``n`` samples, raw scores and lengths in ``length_unit``."""
-        rollout, n = experience.rollout, experience.rollout.n
-        tokens = rollout.response_lengths.tolist()
-        scores = experience.rewards.tolist()
+        rollout, n = trajectory, trajectory.n
+        tokens = trajectory.action_mask.sum(-1).tolist()
+        scores = trajectory.scores.tolist()
         by_chars = self.hparams.length_unit == "characters"
         return [
             RankedGroup(
@@ -315,13 +216,13 @@ class OnlineDPOModule(OnlineModule):
             root = str(Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{self.stage}_data")
         return None if root is None else Path(root) / f"iter_{t:04d}"
 
-    def write_iteration(self, t: int, experience: Experience, pairs: list[dict]) -> None:
+    def write_iteration(self, t: int, trajectory: Trajectory, pairs: list[dict]) -> None:
         """Write iteration ``t``'s ranked samples and pairs as JSONL, atomically."""
         path = self.data_path(t)
         if path is None or (self._trainer is not None and not self.trainer.is_global_zero):
             return
-        rollout, n = experience.rollout, experience.rollout.n
-        tokens, scores = rollout.response_lengths.tolist(), experience.rewards.tolist()
+        rollout, n = trajectory, trajectory.n
+        tokens, scores = trajectory.action_mask.sum(-1).tolist(), trajectory.scores.tolist()
         ranked = []
         for i in range(len(rollout) // n):
             rows = [j for j in range(i * n, (i + 1) * n) if rollout.texts[j].strip()]
@@ -354,17 +255,16 @@ class OnlineDPOModule(OnlineModule):
             for p in pairs
         ]
 
-    def train_on(self, experience: Experience) -> dict[str, float]:
+    def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         hp, t = self.hparams, self.rollout.rollouts
-        metrics = length_metrics(experience.rollout, experience.rewards)
-        groups = self.groups(experience)
+        groups, metrics = self.groups(trajectory), {}
         if hp.length_penalty > 0:
             metrics["reward/penalised"] = sum(
                 sum(g.penalised_scores(hp.length_penalty)) for g in groups
-            ) / len(experience)
+            ) / len(trajectory)
         pairs, counts = best_worst_pairs(groups, length_penalty=hp.length_penalty, min_gap=hp.min_gap)
         self.iteration_pairs.append(pairs)
-        self.write_iteration(t, experience, pairs)
+        self.write_iteration(t, trajectory, pairs)
         online = [p for it in self.iteration_pairs for p in it] if hp.pairs_from == "all" else pairs
         offline = self.offline_slice(t)
         train = [Pair(p["prompt"], p["chosen"], p["rejected"], 0.0, f"iteration {t}") for p in online]
@@ -377,18 +277,21 @@ class OnlineDPOModule(OnlineModule):
             self.reference.load_state_dict(self.policy.state_dict())
         if not train + offline:
             return {**metrics, **self.skip(f"no preference pair to train on ({dict(counts)})")}
+        before = dict(self.encoder.counts)
         examples = self.encode(train + offline)
+        metrics.update(
+            {f"pairs/{k}": float(v - before.get(k, 0)) for k, v in self.encoder.counts.items()}
+        )  # responses cut or prompts shortened to train_max_length / train_max_prompt_length
         reference = self.reference if self.objective.needs_reference else None
         pad_id, records = self.tokenizer.pad_token_id, []
-        for _ in range(hp.dpo_epochs):
-            for rows in self.rollout.minibatches(len(examples)):
-                batch = collate_preference([examples[i] for i in rows.tolist()], pad_id)
-                batch.input_ids, batch.attention_mask, batch.loss_mask = (
-                    x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
-                )
-                loss, loss_metrics = self.objective(self.policy, batch, reference)
-                loss = self.add_ptx(loss, loss_metrics, what=f"online {self.objective.name} loss")
-                loss_metrics["grad_norm"] = self.update("policy", loss)
-                records.append(loss_metrics)
+        for rows in self.minibatches(len(examples)):
+            batch = collate_preference([examples[i] for i in rows.tolist()], pad_id)
+            batch.input_ids, batch.attention_mask, batch.loss_mask = (
+                x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+            )
+            loss, loss_metrics = self.objective(self.policy, batch, reference)
+            loss = self.add_ptx(loss, loss_metrics, what=f"online {self.objective.name} loss")
+            loss_metrics["grad_norm"] = self.update("policy", loss)
+            records.append(loss_metrics)
         metrics.update({f"dpo/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

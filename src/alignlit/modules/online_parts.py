@@ -4,8 +4,9 @@
 - :class:`PtxMixer`: the ptx (SFT-loss) data, its loader's position and the policy's NLL on it;
 - :class:`PhaseDisplay`: the phase of an online step in the progress bar;
 - :class:`DataParallelStats`: sums and controllers over the global batch of several data-parallel ranks;
-- :class:`TrainedModel`, :class:`UpdateBatch` and :func:`mean_metrics`: what a stage trains, the rows
-  of a rollout it updates on, and the average of its minibatch metrics.
+- :class:`ValidationSampling`: the validation steps (held-out samples scored and compared with ``π_0``);
+- :class:`TrainedModel` and :func:`mean_metrics`: what a stage trains and the average of its minibatch
+  metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from alignlit.data.sft import SFTDataModule
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.modules.base import Optim
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
+from alignlit.rollout.reward import score_rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +86,8 @@ class PtxMix:
             raise ValueError(f"ptx.coef must be >= 0, got {self.coef}")
 
 
-# checkpoints keep them in the stage's hyper-parameters; those written before they moved here name
-# them at alignlit.modules.online
-torch.serialization.add_safe_globals(
-    [
-        KLPenalty,
-        PtxMix,
-        (KLPenalty, "alignlit.modules.online.KLPenalty"),
-        (PtxMix, "alignlit.modules.online.PtxMix"),
-    ]
-)
+# checkpoints keep them in the stage's hyper-parameters
+torch.serialization.add_safe_globals([KLPenalty, PtxMix])
 
 
 class PtxMixer:
@@ -248,6 +242,44 @@ class DataParallelStats:
         return mean
 
 
+class ValidationSampling:
+    """Validation of an online stage, the methods :class:`~alignlit.modules.online.OnlineModule` takes
+    from this base: each validation batch is sampled once (``val_sampling``, seeded ``rollout.seed + i``)
+    and scored: ``val/reward``, ``val/gold`` (with ``gold``), ``val/kl`` (the engine's log-probs against
+    the reference's, summed over the response), ``val/length``, and ``val/sft_nll`` with ptx data."""
+
+    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
+        sampling = self.val_sampling or self.rollout.sampling
+        sampling = dataclasses.replace(sampling, seed=self.rollout.seed + batch_idx)
+        rollout = self.rollout.generate(prompts, version=self.policy_version, n=1, sampling=sampling)
+        mask = rollout.response_mask.to(self.device)
+        ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
+        ref = self.logprobs(self.reference, ids, temperature=sampling.temperature)
+        record = {
+            "val/reward": score_rollout(self.reward, rollout),
+            "val/kl": ((rollout.logprobs.to(self.device) - ref) * mask).sum(-1).cpu(),
+            "val/length": rollout.response_lengths.float(),
+        }
+        if self.gold is not None:
+            record["val/gold"] = score_rollout(self.gold, rollout)
+        self._val_records.append(record)
+
+    def on_validation_epoch_end(self) -> None:
+        records, self._val_records = self._val_records, []
+        metrics: dict[str, float] = {}
+        if records:
+            metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]}
+        sft_nll = self.ptx_mixer.val_nll(self.policy, self.device)
+        if sft_nll is not None:
+            metrics["val/sft_nll"] = sft_nll
+        if metrics:
+            if not self.trainer.sanity_checking:
+                self.log_dict(metrics, sync_dist=True)
+            # the sanity check before training (``num_sanity_val_steps: -1`` runs all validation
+            # batches) is the curves' starting point
+            self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
+
+
 class TrainedModel(NamedTuple):
     """A model an online stage updates, with its own optimizer and LR schedule."""
 
@@ -257,33 +289,6 @@ class TrainedModel(NamedTuple):
     optim: Optim
     first_rollout: int = 0
     """Rollouts before its first update (its schedule runs over the remaining ones)."""
-
-
-@dataclasses.dataclass
-class UpdateBatch:
-    """The rows of a rollout a stage updates on (``N`` responses, ``P`` prompt and ``T`` response
-    tokens): ``prompt_ids`` (N, P), ``prompt_mask`` (N, P), ``response_ids`` (N, T) and ``mask``
-    (N, T) bool; a stage's batch is a dataclass of this base whose further fields are (N, ...)
-    tensors or None."""
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
-    def ids(self) -> tuple[torch.Tensor, ...]:
-        """``(prompt_ids, prompt_mask, response_ids, mask)``, the arguments of the forward functions."""
-        return self.prompt_ids, self.prompt_mask, self.response_ids, self.mask
-
-    def select(self, rows: torch.Tensor):
-        """The rows ``rows`` (a (m,) index tensor) of every field."""
-        rows = rows.to(self.prompt_ids.device)
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return type(self)(**{k: v[rows] if v is not None else None for k, v in fields.items()})
 
 
 def mean_metrics(records: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -8,21 +8,17 @@ the RRHF loss on that set before the next resample.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from alignlit.data.encoding import Encoded, Truncation, pad_right
+from alignlit.data.encoding import Encoded, Truncation, pad_left, pad_right
 from alignlit.data.records import read_records
 from alignlit.losses import rrhf_loss
-from alignlit.models.forward import response_logprobs, token_logprobs
-from alignlit.models.modes import eval_mode
+from alignlit.models.forward import token_logprobs
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.online import KLPenalty, OnlineModule
-from alignlit.modules.online_dpo import length_metrics
+from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
+from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.ops import kl_estimate
-from alignlit.rollout.loop import Experience
 from alignlit.rollout.reward import Reward, score_texts
 
 
@@ -51,18 +47,18 @@ def read_extra_responses(path: str) -> dict[str, list[str]]:
 
 class OnlineRRHFModule(OnlineModule):
     """Online RRHF (RRHF §5; algorithms.md §7): rank responses sampled from the policy itself, resampled
-    every ``resample_every`` optimizer steps.
+    every ``minibatches.steps`` optimizer steps.
 
     A training step samples ``k = rollout.samples_per_prompt`` responses for each prompt of the
     DataModule's next batch and adds the prompt's responses from ``extra_responses``; every response is
     scored with the reward, minus ``β·KL`` when ``kl`` is set: ``KL = Σ_t kl_t`` over the response's
     tokens with the per-token estimator ``kl.estimator`` of ``log π_θ`` (the policy at sampling time)
     against ``log π_0`` (the sampled tokens for samples, the re-tokenised text for extra responses).
-    Then ``resample_every`` updates, each of :func:`~alignlit.losses.rrhf_loss` on ``rollout.minibatch_size``
+    Then ``minibatches.steps`` updates, each of :func:`~alignlit.losses.rrhf_loss` on ``minibatches.size``
     prompts of the set (shuffled passes), ``L = rank_weight·L_rank + sft_weight·L_ft`` averaged over
     prompts. Responses are re-tokenised from their texts (``prompt + response + EOS``, as offline RRHF
-    reads them). Logged every resample: the length diagnostics of the samples, ``kl/ref`` (``k1`` per
-    sample), the shaped reward and ``rrhf/*``. Single process only.
+    reads them; cuts are counted as ``set/*truncated``). Logged every resample: the length diagnostics of
+    the samples, ``kl/ref`` (``k1`` per sample), the shaped reward and ``rrhf/*``. Single process only.
 
     Args:
         policy: see :class:`~alignlit.modules.online.OnlineModule`.
@@ -70,19 +66,22 @@ class OnlineRRHFModule(OnlineModule):
             scores texts: a reward-model directory or a callable).
         rank_weight: weight of the ranking loss.
         sft_weight: weight of the summed NLL of the best response.
-        resample_every: optimizer steps on one sampled set before the next resample (RRHF's OP-k).
-        kl: the penalty ``β·KL(π‖π_0)`` subtracted from each response's reward (fixed, or adapted to a
-            target after every resample); None: off.
+        minibatches: ``steps`` optimizer steps on one sampled set before the next resample (RRHF's OP-k,
+            default 8), each on ``size`` prompts.
         extra_responses: a file of responses from other sources added to their prompt's set (see
-            :func:`read_extra_responses`); prompts it lacks get only their samples.
+            :func:`read_extra_responses`); prompts it lacks get only their samples. Without it
+            ``rollout.samples_per_prompt`` must be >= 2 (one response per prompt ranks nothing).
         train_max_length: longest ``prompt + response`` in tokens (responses are cut).
         train_max_prompt_length: prompts are left-truncated to this many tokens.
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference, rollout,
-            optim, max_grad_norm, ptx, prompt_filter, gold, val_sampling, reward_batch_size, dtype,
-            curves_file, export_dir); ``tis_cap`` does not apply.
+            kl (the penalty ``β·KL(π‖π_0)`` subtracted from each response's reward, fixed or adapted to a
+            target after every resample), optim, max_grad_norm, dynamic_sampling, ptx, prompt_filter,
+            gold, val_sampling, reward_batch_size, dtype, curves_file, export_dir); ``tis_cap`` does not
+            apply.
     """
 
     stage = "online_rrhf"
+    min_loss_tokens = 0  # the set is re-read from its texts
     curve_panels = (
         ("reward/raw", "reward (raw)"),
         ("reward/shaped", "reward - β·KL"),
@@ -104,29 +103,23 @@ class OnlineRRHFModule(OnlineModule):
         reward: str | Reward,
         rank_weight: float = 1.0,
         sft_weight: float = 1.0,
-        resample_every: int = 8,
-        kl: KLPenalty | None = None,
+        minibatches: Minibatches = Minibatches(steps=8),
         extra_responses: str | None = None,
         train_max_length: int = 512,
         train_max_prompt_length: int = 256,
         **kwargs,
     ):
-        if not (rank_weight >= 0 and sft_weight >= 0 and resample_every >= 1):
-            raise ValueError(
-                "rank_weight and sft_weight must be >= 0 and resample_every >= 1, got "
-                f"{rank_weight}, {sft_weight}, {resample_every}"
-            )
+        if not (rank_weight >= 0 and sft_weight >= 0):
+            raise ValueError(f"rank_weight and sft_weight must be >= 0, got {rank_weight}, {sft_weight}")
         if kwargs.get("tis_cap") is not None:
             raise ValueError("tis_cap weights policy-gradient token losses; RRHF has none")
-        rollout = kwargs.get("rollout")
-        if rollout is not None and rollout.epochs != 1:
+        super().__init__(policy, reward, minibatches=minibatches, **kwargs)
+        if self.rollout.samples_per_prompt < 2 and not extra_responses:
             raise ValueError(
-                f"online RRHF's updates per resample are resample_every; leave rollout.epochs at 1, got {rollout.epochs}"
+                "online RRHF ranks each prompt's responses: with rollout.samples_per_prompt 1 and no "
+                "extra_responses every set holds one response, the ranking loss is 0 and the run is SFT on "
+                "the policy's own samples; set samples_per_prompt >= 2"
             )
-        super().__init__(policy, reward, **kwargs)
-        self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
-        self.kl = kl
-        self.kl_ctl = kl.controller() if kl is not None else None
         self.truncation = Truncation(
             self.tokenizer, max_length=train_max_length, max_prompt_length=train_max_prompt_length
         )
@@ -141,13 +134,6 @@ class OnlineRRHFModule(OnlineModule):
         if self._trainer is not None and self.trainer.world_size > 1:
             raise ValueError("online RRHF runs in a single process")
 
-    def online_state_dict(self) -> dict[str, Any]:
-        return {"kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None}
-
-    def load_online_state_dict(self, state: dict[str, Any]) -> None:
-        if self.kl_ctl is not None:
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
-
     # ------------------------------------------------------------------ the set of one resample
     def encode(self, prompt: str, text: str, source: str) -> Encoded:
         return self.truncation.encode(prompt, text, source, allow_empty=True)
@@ -160,38 +146,25 @@ class OnlineRRHFModule(OnlineModule):
         return ids.to(self.device), attention.to(self.device), loss_mask.to(self.device)
 
     @torch.no_grad()
-    def sample_kl(self, experience: Experience) -> tuple[torch.Tensor, dict[str, float]]:
-        """(N,) ``Σ_t kl_t`` of each sample (zeros without ``kl``) and the KL metrics (``k1`` per sample)."""
-        rollout = experience.rollout
-        old, _, metrics = self.old_logprobs(rollout)  # (N, T)
-        ids = [t.to(self.device) for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids)]
-        mask = rollout.response_mask.to(self.device)
-        with eval_mode(self.reference):
-            ref = response_logprobs(self.reference, *ids, mask, temperature=self.rollout.sampling.temperature)
-        metrics["kl/ref"] = float(((old - ref) * mask).sum(-1).mean())
-        if self.kl is None:
-            return torch.zeros(len(rollout)), metrics
-        return (kl_estimate(old, ref, self.kl.estimator) * mask).sum(-1).cpu(), metrics
-
-    @torch.no_grad()
     def extra_kl(self, encoded: list[Encoded]) -> torch.Tensor:
         """(M,) ``Σ_t kl_t`` of re-tokenised responses, policy against reference, teacher-forced."""
-        batch = self.flat_batch(encoded)
-        with eval_mode(self.policy, self.reference):
-            policy = token_logprobs(self.policy, *batch)
-            reference = token_logprobs(self.reference, *batch)
-        kl = kl_estimate(policy.logprobs, reference.logprobs, self.kl.estimator) * policy.mask  # (M, T-1)
-        return kl.sum(-1).cpu()
+        pad = self.tokenizer.pad_token_id
+        prompts = pad_left([e.input_ids[: e.prompt_length] for e in encoded], pad)  # (M, P) ids and mask
+        responses = pad_right([e.input_ids[e.prompt_length :] for e in encoded], pad)  # (M, T)
+        ids = (*prompts, *responses)
+        policy, reference = self.logprobs(self.policy, ids), self.logprobs(self.reference, ids)  # (M, T)
+        mask = responses[1].to(self.device)
+        return (kl_estimate(policy, reference, self.kl.estimator) * mask).sum(-1).cpu()
 
-    def response_sets(self, experience: Experience) -> tuple[list[list[Encoded]], list[torch.Tensor], dict]:
+    def response_sets(self, trajectory: Trajectory) -> tuple[list[list[Encoded]], list[torch.Tensor], dict]:
         """Per prompt: its encoded responses (samples, then extras) and their (shaped) rewards."""
-        rollout, k = experience.rollout, experience.rollout.n
-        sample_kl, metrics = self.sample_kl(experience)
+        k, before = trajectory.n, dict(self.truncation.counts)
         beta = self.kl_ctl.value if self.kl_ctl is not None else 0.0
-        rewards = experience.rewards - beta * sample_kl  # (N,)
-        prompts = rollout.prompts[::k]
+        sample_kl = trajectory.kl.sum(-1).cpu() if trajectory.kl is not None else torch.zeros(len(trajectory))
+        rewards = trajectory.scores.cpu() - beta * sample_kl  # (N,)
+        prompts = trajectory.prompts[::k]
         sets = [
-            [self.encode(p, rollout.texts[j], f"sample {j}") for j in range(i * k, (i + 1) * k)]
+            [self.encode(p, trajectory.texts[j], f"sample {j}") for j in range(i * k, (i + 1) * k)]
             for i, p in enumerate(prompts)
         ]
         scores = [rewards[i * k : (i + 1) * k] for i in range(len(prompts))]
@@ -204,14 +177,10 @@ class OnlineRRHFModule(OnlineModule):
             for (i, _), enc, value in zip(extras, encoded, extra_rewards):
                 sets[i].append(enc)
                 scores[i] = torch.cat([scores[i], value[None]])
-        metrics.update(
-            {
-                "reward/shaped": float(torch.cat(scores).mean()),
-                "set/extra_responses": float(len(extras)),
-            }
-        )
-        if self.kl is not None:
-            metrics.update({"kl/coef": beta, "kl/penalty": float(beta * sample_kl.mean())})
+        metrics = {
+            "reward/shaped": float(torch.cat(scores).mean()),
+            "set/extra_responses": float(len(extras)),
+        } | {f"set/{k}": float(v - before.get(k, 0)) for k, v in self.truncation.counts.items()}
         return sets, scores, metrics
 
     # ------------------------------------------------------------------ updates
@@ -241,23 +210,14 @@ class OnlineRRHFModule(OnlineModule):
                     weights[name] = weights.get(name, 0.0) + share
         return loss, {name: sums[name] / weights[name] for name in sums}
 
-    def train_on(self, experience: Experience) -> dict[str, float]:
-        metrics = length_metrics(experience.rollout, experience.rewards)
-        sets, scores, more = self.response_sets(experience)
-        metrics.update(more)
-
-        def passes():
-            while True:
-                yield from self.rollout.minibatches(len(sets))
-
+    def train_on(self, trajectory: Trajectory) -> dict[str, float]:
+        sets, scores, metrics = self.response_sets(trajectory)
         records = []
-        for _, rows in zip(range(self.hparams.resample_every), passes()):
+        for rows in self.minibatches(len(sets)):
             chosen = rows.tolist()
             loss, loss_metrics = self.rrhf([sets[b] for b in chosen], [scores[b] for b in chosen])
             loss = self.add_ptx(loss, loss_metrics, what="online RRHF loss")
             loss_metrics["grad_norm"] = self.update("policy", loss)
             records.append(loss_metrics)
-        if self.kl_ctl is not None:
-            self.kl_ctl.update(metrics["kl/ref"], len(experience))
         metrics.update({f"rrhf/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

@@ -15,33 +15,28 @@ from typing import Any, Literal
 
 import torch
 
+from alignlit.checks import resolve_registered
 from alignlit.eval.plots import PPO_PANELS
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
-from alignlit.models.forward import (
-    response_logprobs,
-    response_token_logprobs,
-    response_values,
-)
+from alignlit.models.forward import response_token_logprobs, response_values
 from alignlit.models.loading import load_scalar_model
 from alignlit.models.modes import disable_dropout, eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import Optim, check_finite
-from alignlit.modules.online import KLPenalty, OnlineModule, TrainedModel
-from alignlit.modules.online_parts import UpdateBatch, mean_metrics
+from alignlit.modules.online import OnlineModule
+from alignlit.modules.online_parts import KLPenalty, TrainedModel, mean_metrics
+from alignlit.modules.trajectory import Trajectory
 from alignlit.ops import (
+    TOKEN_ADVANTAGE_ESTIMATORS,
     RewardNorm,
     RunningMoments,
     explained_variance,
-    gae,
-    kl_estimate,
     kl_penalized_rewards,
     masked_mean,
     normalize_scores,
+    token_advantages,
     whiten,
 )
-from alignlit.rollout.base import Rollout
-from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.loop import Experience
 from alignlit.rollout.reward import Reward, score_rollout
 
 AdvantageNorm = Literal["none", "batch", "minibatch"]
@@ -49,40 +44,13 @@ BASELINE_SEED_OFFSET = 1_000_003
 """Reference responses of rollout ``i`` are sampled with seed ``rollout.seed + BASELINE_SEED_OFFSET + i``."""
 
 
-@dataclasses.dataclass
-class PPOBatch(UpdateBatch):
-    """The experience of one rollout, ready for PPO updates (``N`` samples, ``P`` prompt and ``T`` response tokens).
-
-    Attributes:
-        prompt_ids: (N, P) long, left-padded.
-        prompt_mask: (N, P) bool.
-        response_ids: (N, T) long, right-padded.
-        mask: (N, T) bool, True on response tokens.
-        old_logprobs: (N, T) ``log π_θ_old`` of the sampled tokens, recomputed by the trainer.
-        ref_logprobs: (N, T) ``log π_0`` of the sampled tokens.
-        old_values: (N, T) critic values ``V(s_t)`` at sampling time.
-        rewards: (N, T) token rewards ``-β·kl_t`` plus the sequence reward on the last token.
-        advantages: (N, T) GAE advantages (whitened/clipped as configured).
-        returns: (N, T) GAE returns.
-        is_weights: (N, T) truncated importance weights of the rollout/trainer mismatch, or None.
-    """
-
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    old_values: torch.Tensor
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    is_weights: torch.Tensor | None = None
-
-
 class PPOModule(OnlineModule):
     """PPO with a critic (PPO-max) on the online base; every PPO-max / ChatGLM switch is an argument.
 
-    One training step is one rollout of the prompt batch followed by ``rollout.epochs`` passes of
-    ``rollout.minibatch_size`` updates of the critic, then the policy. The arguments shared by every
-    online stage (policy, reward, reference, rollout, optim, ptx, prompt filter, validation) are
-    those of :class:`~alignlit.modules.online.OnlineModule`.
+    One training step is one rollout of the prompt batch followed by ``minibatches.epochs`` passes of
+    ``minibatches.size`` updates of the critic, then the policy. The arguments shared by every
+    online stage (policy, reward, reference, rollout, minibatches, kl, optim, ptx, prompt filter,
+    validation) are those of :class:`~alignlit.modules.online.OnlineModule`.
 
     Args:
         policy: see :class:`~alignlit.modules.online.OnlineModule`.
@@ -92,7 +60,10 @@ class PPOModule(OnlineModule):
         critic_optim: the critic's AdamW + warmup/cosine settings (steps are rollouts).
         clip_eps: policy ratio clip ``ε``.
         value_clip_eps: value clip ``ε_v`` (None: unclipped value loss).
-        gamma: GAE discount ``γ``.
+        advantage: the per-token estimator of the advantages and value targets from the token rewards and
+            the critic's values: ``"gae"`` (generalised advantage estimation) or another entry of
+            :data:`alignlit.ops.TOKEN_ADVANTAGE_ESTIMATORS` that uses a critic (or its dotted path).
+        gamma: discount ``γ``.
         lam: GAE ``λ``.
         reward_norm: ``"normalize"`` ``(R - μ)/σ``, ``"scale"`` ``R/σ`` or ``"none"``, with running ``μ, σ``
             over every rollout so far (all ranks).
@@ -107,13 +78,14 @@ class PPOModule(OnlineModule):
         critic_adapter: with ``lora``, the critic trains a LoRA adapter of its own on its frozen
             backbone (its value head in full); False: the critic is fully fine-tuned.
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule` (reference,
-            rollout, optim, max_grad_norm, tis_cap, ptx, prompt_filter, gold, val_sampling,
-            reward_batch_size, dtype, curves_file, export_dir, lora, gradient_checkpointing,
-            frozen_dtype, shard_frozen).
+            rollout, minibatches, optim, max_grad_norm, tis_cap, dynamic_sampling, overlong, ptx,
+            prompt_filter, gold, val_sampling, reward_batch_size, dtype, curves_file, export_dir, lora,
+            gradient_checkpointing, frozen_dtype, shard_frozen).
     """
 
     stage = "ppo"
     curve_panels = PPO_PANELS
+    min_loss_tokens = 2  # whitening the advantages needs two values
 
     def __init__(
         self,
@@ -123,6 +95,7 @@ class PPOModule(OnlineModule):
         critic_optim: Optim = Optim(lr=5e-5, min_lr_ratio=1.0),
         clip_eps: float = 0.2,
         value_clip_eps: float | None = 0.2,
+        advantage: str = "gae",
         gamma: float = 1.0,
         lam: float = 0.95,
         reward_norm: RewardNorm = "normalize",
@@ -142,9 +115,9 @@ class PPOModule(OnlineModule):
             raise ValueError(f"reward_norm must be 'none', 'normalize' or 'scale', got {reward_norm!r}")
         if critic_pretrain_rollouts < 0:
             raise ValueError(f"critic_pretrain_rollouts must be >= 0, got {critic_pretrain_rollouts}")
-        super().__init__(policy, reward, **kwargs)
-        self.save_hyperparameters(ignore=["reward", "rollout", "prompt_filter", "gold", "val_sampling"])
-        self.critic_optim, self.kl = critic_optim, kl
+        self.estimator = resolve_registered(advantage, TOKEN_ADVANTAGE_ESTIMATORS, "advantage estimator")
+        super().__init__(policy, reward, kl=kl, **kwargs)
+        self.critic_optim = critic_optim
         reward_dir = (
             reward if isinstance(reward, str) and Path(reward).is_dir() else None
         )  # not a dotted path
@@ -166,7 +139,6 @@ class PPOModule(OnlineModule):
                 "policy's tokens: set `critic` to a directory with the policy's tokenizer (e.g. the policy)"
             )
         self.reward_moments = RunningMoments()
-        self.kl_ctl = kl.controller()
         self.baseline_cache: dict[str, float] = {}
 
     def trained_models(self) -> list[TrainedModel]:
@@ -175,24 +147,22 @@ class PPOModule(OnlineModule):
             TrainedModel("critic", self.critic, self.critic_optim),
         ]
 
-    # ------------------------------------------------------------------ experience
-    def _sequence_rewards(
-        self, rollout: Rollout, scores: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    # ------------------------------------------------------------------ advantages
+    def _sequence_rewards(self, trajectory: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:
         """``R = r(x, y)``, minus ``r(x, y_ref)`` with the reference baseline (ChatGLM eq. 5)."""
+        scores = trajectory.rewards.cpu()
         if not self.hparams.reference_baseline:
             return scores, {}
-        missing = list(dict.fromkeys(p for p in rollout.prompts if p not in self.baseline_cache))
+        missing = list(dict.fromkeys(p for p in trajectory.prompts if p not in self.baseline_cache))
         if missing:
             seed = self.rollout.seed + BASELINE_SEED_OFFSET + self.rollout.rollouts
-            params = dataclasses.replace(self.rollout.sampling, seed=seed)
-            engine = HFEngine(
-                self.tokenizer, self.reference, micro_batch_size=self.rollout.generation_batch_size
+            sampling = dataclasses.replace(self.rollout.sampling, seed=seed)
+            ref_rollout = self.rollout.generate(
+                missing, version=self.policy_version, n=1, sampling=sampling, model=self.reference
             )
-            ref_rollout = engine.generate(missing, 1, params)
             for prompt, value in zip(missing, score_rollout(self.reward, ref_rollout).tolist()):
                 self.baseline_cache[prompt] = value
-        baseline = torch.tensor([self.baseline_cache[p] for p in rollout.prompts], dtype=scores.dtype)
+        baseline = torch.tensor([self.baseline_cache[p] for p in trajectory.prompts], dtype=scores.dtype)
         return scores - baseline, {
             "reward/baseline": float(baseline.mean()),
             "reward/baseline_new": float(len(missing)),
@@ -215,121 +185,79 @@ class PPOModule(OnlineModule):
             self.reward_moments.merge(moments)
 
     @torch.no_grad()
-    def make_experience(
-        self, rollout: Rollout, scores: torch.Tensor
-    ) -> tuple[PPOBatch | None, dict[str, float]]:
-        """Build the PPO batch of one scored rollout and its monitoring metrics (PPO-max §5.2).
-
-        Samples without a response token are dropped from the batch (their scores still enter the
-        running reward statistics); with several ranks they stay in, masked out, so that every rank
-        runs as many minibatch updates. With fewer than two response tokens in the whole rollout (over
-        every rank) there is nothing to whiten or learn from: the batch is None. With several ranks
-        the running reward moments, the batch whitening of advantages and the adaptive KL controller
-        are taken over the global batch (the data-parallel ranks), as one process would.
+    def advantages(self, trajectory: Trajectory) -> dict[str, float]:
+        """PPO's targets on ``trajectory`` (PPO-max §5.2): the critic's values, the normalised sequence
+        reward with the token KL penalty (``token_rewards``), GAE ``advantages`` and ``returns``; returns
+        the monitoring metrics. With several ranks the running reward moments, the batch whitening of the
+        advantages and the adaptive KL controller are taken over the global batch, as one process would.
         """
-        hp = self.hparams
-        ids = tuple(
-            t.to(self.device)
-            for t in (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
-        )
-        mask = ids[3]
-        temperature = self.rollout.sampling.temperature
-        old_logprobs, is_weights, metrics = self.old_logprobs(rollout)  # (N, T)
-        with eval_mode(self.reference, self.critic):
-            start = time.perf_counter()
-            ref_logprobs = response_logprobs(self.reference, *ids, temperature=temperature)  # (N, T)
-            metrics["time/ref_logp_s"] = time.perf_counter() - start
-            start = time.perf_counter()
-            old_values = response_values(self.critic, *ids)  # (N, T)
-            metrics["time/values_s"] = time.perf_counter() - start
-
-        shaped, shaping_metrics = self._sequence_rewards(rollout, scores)
+        hp, mask = self.hparams, trajectory.loss_mask
+        start = time.perf_counter()
+        with eval_mode(self.critic):
+            trajectory.values = response_values(self.critic, *trajectory.ids)  # (N, T)
+        metrics = {"time/values_s": time.perf_counter() - start}
+        shaped, shaping_metrics = self._sequence_rewards(trajectory)
         metrics.update(shaping_metrics)
         self._update_moments(shaped)
         normalized = normalize_scores(shaped, self.reward_moments, mode=hp.reward_norm, clip=hp.reward_clip)
-        lengths = mask.sum(-1)
-        metrics.update(
-            {
-                "reward/raw": float(scores.mean()),
-                "reward/shaped": float(shaped.mean()),
-                "reward/normalized": float(normalized.mean()),
-                "reward/running_mean": self.reward_moments.mean,
-                "reward/running_std": self.reward_moments.std if self.reward_moments.count >= 2 else 0.0,
-                "response/length": float(lengths.float().mean()),
-                "response/empty": float((lengths == 0).sum()),
-                "response/truncated": float(sum(r == "length" for r in rollout.finish_reasons)),
-            }
-        )
-        if int(self.all_reduce_sum(lengths.sum())) < 2:  # decided over every rank: all update or none
-            return None, metrics
-        kl = kl_estimate(old_logprobs, ref_logprobs, self.kl.estimator) * mask  # (N, T)
-        rewards = kl_penalized_rewards(
-            normalized.to(self.device), kl, mask, kl_coef=self.kl_ctl.value
+        trajectory.token_rewards = kl_penalized_rewards(
+            normalized.to(self.device), trajectory.kl, mask, kl_coef=self.kl_ctl.value
         )  # (N, T)
-        advantages, returns = gae(rewards, old_values, mask, gamma=hp.gamma, lam=hp.lam)
+        advantages, trajectory.returns = token_advantages(
+            trajectory.token_rewards, mask, estimator=self.estimator, values=trajectory.values,
+            gamma=hp.gamma, lam=hp.lam,
+        )  # fmt: skip
         if hp.advantage_norm == "batch":
             advantages = whiten(advantages, mask, all_reduce=self.batch_all_reduce())
         if hp.advantage_clip is not None:
             advantages = advantages.clamp(-hp.advantage_clip, hp.advantage_clip) * mask
-        batch = PPOBatch(
-            *ids[:3], mask, old_logprobs, ref_logprobs, old_values, rewards, advantages, returns, is_weights
-        )
-        seq_kl = ((old_logprobs - ref_logprobs) * mask).sum(-1)  # (N,) k1 per response
+        trajectory.advantages = advantages
         metrics.update(
             {
-                "kl/ref": float(seq_kl.mean()),
-                "kl/token": float(masked_mean(kl, mask)),
-                "kl/coef": self.kl_ctl.value,
-                "kl/penalty": float((self.kl_ctl.value * kl).sum(-1).mean()),
-                "response/ppl": float(torch.exp(-masked_mean(old_logprobs, mask))),
-                "value/explained_var": float(explained_variance(old_values, returns, mask)),
-                "value/mean": float(masked_mean(old_values, mask)),
+                "reward/shaped": float(shaped.mean()),
+                "reward/normalized": float(normalized.mean()),
+                "reward/running_mean": self.reward_moments.mean,
+                "reward/running_std": self.reward_moments.std if self.reward_moments.count >= 2 else 0.0,
+                "value/explained_var": float(explained_variance(trajectory.values, trajectory.returns, mask)),
+                "value/mean": float(masked_mean(trajectory.values, mask)),
                 "advantage/mean": float(masked_mean(advantages, mask)),
             }
         )
-        if self._trainer is not None and self.trainer.world_size > 1:  # as many minibatch updates per rank
-            return batch, metrics
-        keep = (lengths > 0).nonzero().flatten()
-        return (batch.select(keep) if len(keep) < len(batch) else batch), metrics
+        return metrics
 
     # ------------------------------------------------------------------ losses and updates
-    def critic_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def critic_loss(self, mb: Trajectory) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped value loss of the critic on a minibatch (:func:`~alignlit.losses.ppo_value_loss`)."""
         clip = self.hparams.value_clip_eps
         values = response_values(self.critic, *mb.ids)
         loss, metrics = ppo_value_loss(
-            values, mb.old_values, mb.returns, mb.mask, clip_eps=clip if clip is not None else float("inf")
+            values, mb.values, mb.returns, mb.loss_mask, clip_eps=clip if clip is not None else float("inf")
         )
         check_finite(loss, what="PPO value loss", step=self.global_step, metrics=metrics)
         return loss, metrics
 
-    def actor_loss(self, mb: PPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def actor_loss(self, mb: Trajectory) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate + entropy bonus + ``ptx.coef``·SFT NLL of the policy on a minibatch."""
         hp = self.hparams
         scored = response_token_logprobs(
             self.policy, *mb.ids, temperature=self.rollout.sampling.temperature,
             with_entropy=True, entropy_grad=hp.entropy_coef > 0,
         )  # fmt: skip
-        advantages = whiten(mb.advantages, mb.mask) if hp.advantage_norm == "minibatch" else mb.advantages
+        mask = mb.loss_mask
+        advantages = whiten(mb.advantages, mask) if hp.advantage_norm == "minibatch" else mb.advantages
         loss, metrics = ppo_policy_loss(
-            scored.logprobs,
-            mb.old_logprobs,
-            advantages,
-            mb.mask,
-            clip_eps=hp.clip_eps,
-            is_weights=mb.is_weights,
+            scored.logprobs, mb.old_logprobs, advantages, mask, clip_eps=hp.clip_eps, is_weights=mb.is_weights
         )
-        entropy_loss, entropy_metrics = entropy_bonus(scored.entropy, mb.mask, coef=hp.entropy_coef)
+        entropy_loss, entropy_metrics = entropy_bonus(scored.entropy, mask, coef=hp.entropy_coef)
         metrics.update(entropy_metrics)
         return self.add_ptx(loss + entropy_loss, metrics, what="PPO policy loss"), metrics
 
-    def train_on(self, experience: Experience) -> dict[str, float]:
-        batch, metrics = self.make_experience(experience.rollout, experience.rewards)
-        if batch is None:
-            return {**metrics, **self.skip("fewer than 2 response tokens in the rollout")}
+    def train_on(self, trajectory: Trajectory) -> dict[str, float]:
+        metrics = self.advantages(trajectory)
+        batch = self.trainable(trajectory)
         actor_active = self.rollout.rollouts > self.hparams.critic_pretrain_rollouts
         critic_records, actor_records = [], []
-        for rows in self.rollout.minibatches(len(batch)):
+        for rows in self.minibatches(len(batch)):
             mb = batch.select(rows)
             loss, critic_metrics = self.critic_loss(mb)
             critic_metrics["grad_norm"] = self.update("critic", loss)
@@ -338,8 +266,6 @@ class PPOModule(OnlineModule):
                 loss, actor_metrics = self.actor_loss(mb)
                 actor_metrics["grad_norm"] = self.update("actor", loss)
                 actor_records.append(actor_metrics)
-        if actor_active:
-            self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(experience), len(experience))
         metrics.update(
             {f"value/{k.removeprefix('value_')}": v for k, v in mean_metrics(critic_records).items()}
         )
@@ -350,11 +276,9 @@ class PPOModule(OnlineModule):
     def online_state_dict(self) -> dict[str, Any]:
         return {
             "reward_moments": self.reward_moments.state_dict(),
-            "kl_ctl": self.kl_ctl.state_dict(),
             "baseline_cache": dict(self.baseline_cache),
         }
 
     def load_online_state_dict(self, state: dict[str, Any]) -> None:
         self.reward_moments.load_state_dict(state["reward_moments"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.baseline_cache = dict(state["baseline_cache"])

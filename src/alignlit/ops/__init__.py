@@ -25,7 +25,13 @@ from alignlit.ops.kl import (
 )
 from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, sequence_logprobs
 from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
-from alignlit.ops.rewards import RewardNorm, explained_variance, kl_penalized_rewards, normalize_scores
+from alignlit.ops.rewards import (
+    RewardNorm,
+    explained_variance,
+    kl_penalized_rewards,
+    length_reward_correlation,
+    normalize_scores,
+)
 from alignlit.ops.stats import (
     AllReduce,
     RunningMoments,
@@ -65,6 +71,7 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "kl_penalized_rewards",
+    "length_reward_correlation",
     "logprob_mismatch",
     "masked_mean",
     "masked_sum",

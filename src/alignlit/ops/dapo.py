@@ -68,16 +68,8 @@ class Overlong:
             )
 
 
-# checkpoints keep them in the stage's hyper-parameters; those written before they moved here name
-# them at alignlit.modules.policy_gradient
-torch.serialization.add_safe_globals(
-    [
-        DynamicSampling,
-        Overlong,
-        (DynamicSampling, "alignlit.modules.policy_gradient.DynamicSampling"),
-        (Overlong, "alignlit.modules.policy_gradient.Overlong"),
-    ]
-)
+# checkpoints keep them in the stage's hyper-parameters
+torch.serialization.add_safe_globals([DynamicSampling, Overlong])
 
 
 def informative_groups(rewards: torch.Tensor, *, atol: float = 0.0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Reward shaping for online stages: running-statistics normalisation, token-level KL penalty, and
-the value-function diagnostic (algorithms.md §4)."""
+the diagnostics: the value function's explained variance (algorithms.md §4) and the per-prompt
+reward-length correlation (RLHF-Workflow §2.3)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,27 @@ def kl_penalized_rewards(
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var(G - V) / Var(G)`` over valid tokens: 1 for a perfect critic, 0 for a constant one."""
     return 1.0 - masked_var(returns - values, mask) / masked_var(returns, mask).clamp_min(1e-12)
+
+
+def length_reward_correlation(rewards: torch.Tensor, lengths: torch.Tensor) -> tuple[float, int, int]:
+    """Pearson correlation of reward and length within each prompt, averaged over prompts
+    (RLHF-Workflow §2.3, Fig. 5: ``n`` samples per prompt, one correlation per prompt).
+
+    Args:
+        rewards: (B, n) rewards of each prompt's samples.
+        lengths: (B, n) their lengths.
+
+    Returns:
+        ``(mean correlation, prompts used, prompts excluded)``: prompts whose rewards or lengths are
+        all equal have no correlation and are excluded (counted); the mean is NaN when none is left.
+    """
+    if rewards.dim() != 2 or rewards.shape != lengths.shape:
+        raise ValueError(
+            f"rewards and lengths must both be (B, n), got {tuple(rewards.shape)} and {tuple(lengths.shape)}"
+        )
+    r, n = rewards.double(), lengths.double()  # (B, n)
+    varies = (r.amax(-1) > r.amin(-1)) & (n.amax(-1) > n.amin(-1))  # (B,)
+    r, n = r[varies] - r[varies].mean(-1, keepdim=True), n[varies] - n[varies].mean(-1, keepdim=True)
+    corr = (r * n).sum(-1) / (r.pow(2).sum(-1) * n.pow(2).sum(-1)).sqrt()  # (B',)
+    used = int(varies.sum())
+    return (float(corr.mean()) if used else float("nan")), used, len(varies) - used

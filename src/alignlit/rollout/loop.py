@@ -1,23 +1,20 @@
-"""The rollout loop every online stage calls from ``training_step``: sync, generate, score, minibatch.
+"""The rollout loop every online stage collects samples with: sync the engine's weights, generate, score.
 
-Lightning 2.x has no loop-replacement API, so online stages (PPO, online DPO, online RRHF) use
-manual optimisation and drive one :class:`RolloutLoop` per iteration::
+It does nothing else: what the stage derives from the samples (old and reference log-probs, KL,
+advantages) is built by the online base (:class:`~alignlit.modules.online.OnlineModule`), and the
+stage owns its own minibatch loop. Switching engines is one config key, ``engine: hf | vllm``::
 
-    experience = loop.collect(prompts, reward_fn)          # sync if stale -> generate -> score
-    ...                                                     # stage-specific: PPO builds advantages
-    for idx in loop.minibatches(len(experience)):           # `epochs` shuffled passes
-        ...                                                 # gradient step on the rows `idx`
-        loop.mark_stale()                                   # the policy changed
+    experience = loop.collect(prompts, reward, version=v)   # sync if the engine is not at v -> generate -> score
 
-What the loop produces is generic (an :class:`Experience`: the rollout and one reward per
-sample); whatever a stage derives from it (reference log-probs, values, advantages, pairs) belongs
-to the stage. Switching engines is one config key, ``engine: hf | vllm``.
+The policy's *version* is the number of optimiser steps it has taken; the engine is synced whenever
+its weights are of another version than the one asked for, and every sample records the version
+that generated it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,34 +29,35 @@ from alignlit.rollout.reward import Reward, score_rollout
 
 @dataclass
 class Experience:
-    """A scored rollout: what every online stage starts from.
+    """A scored rollout: what the rollout side hands to the online base.
 
     Attributes:
         rollout: ``N = B * n`` samples (prompt ``i`` repeated ``n`` times consecutively), see
             :class:`~alignlit.rollout.base.Rollout`.
         rewards: (N,) float32, the reward function's score of each sample.
+        versions: (N,) long, the policy version that generated each sample.
     """
 
     rollout: Rollout
     rewards: torch.Tensor
+    versions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            self.versions = torch.zeros(len(self.rollout), dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.rollout)
 
-    def grouped_rewards(self) -> torch.Tensor:
-        """(B, n) rewards, one row per prompt (for best-of-n / pairing stages)."""
-        return self.rewards.view(-1, self.rollout.n)
-
 
 class RolloutLoop:
-    """Generate-and-score experience for online stages, and minibatches over it.
+    """Sync, generate and score: the rollout side of every online stage.
 
-    Per iteration: :meth:`collect` syncs the engine if the policy changed since the last sync
-    (:meth:`mark_stale`), samples ``samples_per_prompt`` responses per prompt, optionally checks
-    the engine's log-probs against the policy's after a sync, and scores every response with the
-    reward; :meth:`minibatches` then yields ``epochs`` shuffled passes of row indices. Rollout
-    ``i`` is sampled with seed ``seed + i`` and the shuffling uses the loop's own generator, both
-    saved by :meth:`state_dict`, so a resumed run samples exactly what an uninterrupted one would.
+    :meth:`collect` syncs the engine when its weights are not of the policy version asked for,
+    samples ``samples_per_prompt`` responses per prompt, optionally checks the engine's log-probs
+    against the policy's after a sync, and scores every response with the reward. Training rollout
+    ``i`` is sampled with seed ``seed + i``; the counter is saved by :meth:`state_dict`, so a resumed
+    run samples exactly what an uninterrupted one would.
 
     Args:
         engine: ``"hf"`` (Hugging Face ``generate`` on the training model, the default) or
@@ -68,9 +66,6 @@ class RolloutLoop:
             :class:`~alignlit.rollout.vllm_engine.RankZeroServedEngine`).
         sampling: how responses are sampled (``sampling.seed`` must be None: use ``seed``).
         samples_per_prompt: responses sampled per prompt (``n``).
-        epochs: passes over each rollout's experience (PPO's ``ppo_epochs``).
-        minibatch_size: rows per minibatch (the last minibatch of a pass may be smaller).
-        shuffle: shuffle the rows of every pass.
         generation_batch_size: most prompts per HF ``generate`` call (None: all at once).
         parity_every: check the engine's log-probs against the policy's after every k-th sync
             (0: never); a difference above ``parity_tol`` raises
@@ -78,7 +73,8 @@ class RolloutLoop:
         parity_tol: largest allowed absolute log-prob difference.
         parity_samples: samples recomputed by the parity check.
         vllm_args: extra keyword arguments of :class:`~alignlit.rollout.VLLMEngine` (e.g. ``sync_every``).
-        seed: rollout ``i`` is sampled with seed ``seed + i``; also seeds the minibatch shuffling.
+        seed: training rollout ``i`` is sampled with seed ``seed + i`` (the stage's other seeded
+            choices, e.g. minibatch shuffling, start from it too).
     """
 
     def __init__(
@@ -86,9 +82,6 @@ class RolloutLoop:
         engine: Literal["hf", "vllm"] = "hf",
         sampling: SamplingParams | None = None,
         samples_per_prompt: int = 1,
-        epochs: int = 1,
-        minibatch_size: int = 16,
-        shuffle: bool = True,
         generation_batch_size: int | None = None,
         parity_every: int = 0,
         parity_tol: float = 1e-3,
@@ -104,12 +97,7 @@ class RolloutLoop:
                 f"rollout sampling.seed must be None (got {sampling.seed}): rollout i is sampled with "
                 "seed + i; set the loop's `seed` instead"
             )
-        for name, value in (
-            ("samples_per_prompt", samples_per_prompt),
-            ("epochs", epochs),
-            ("minibatch_size", minibatch_size),
-            ("parity_samples", parity_samples),
-        ):
+        for name, value in (("samples_per_prompt", samples_per_prompt), ("parity_samples", parity_samples)):
             if value < 1:
                 raise ValueError(f"rollout {name} must be >= 1, got {value}")
         if parity_every < 0:
@@ -117,9 +105,6 @@ class RolloutLoop:
         self.engine_kind = engine
         self.sampling = sampling
         self.samples_per_prompt = samples_per_prompt
-        self.epochs = epochs
-        self.minibatch_size = minibatch_size
-        self.shuffle = shuffle
         self.generation_batch_size = generation_batch_size
         self.parity_every = parity_every
         self.parity_tol = parity_tol
@@ -129,12 +114,12 @@ class RolloutLoop:
         self.engine: RolloutEngine | None = None
         self.policy: torch.nn.Module | None = None
         self.rollouts = 0
-        """Rollouts generated so far (the next one is sampled with ``seed + rollouts``)."""
+        """Training rollouts generated so far (the next one is sampled with ``seed + rollouts``)."""
         self.syncs = 0
         """Engine syncs so far."""
-        self.stale = True
-        """The policy changed since the engine's last sync."""
-        self.generator = torch.Generator().manual_seed(seed)
+        self.engine_version: int | None = None
+        """The policy version whose weights the engine holds (None: unknown, sync before generating)."""
+        self._frozen_engines: dict[int, HFEngine] = {}
         self.metrics: dict[str, float] = {}
         """Timings and throughput of the last :meth:`generate` / :meth:`collect` call."""
 
@@ -157,7 +142,8 @@ class RolloutLoop:
         same samples).
         """
         self.policy = policy
-        self.stale = True
+        self.tokenizer = tokenizer
+        self.engine_version = None
         if self.engine is not None:
             return
         if self.engine_kind == "hf":
@@ -185,44 +171,46 @@ class RolloutLoop:
             engine, data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]
         )
 
-    def mark_stale(self) -> None:
-        """Record that the policy's weights changed (the next generation syncs the engine first)."""
-        self.stale = True
-
-    def synced_engine(self) -> RolloutEngine:
-        """The engine, synced with the policy's current weights (for sampling outside :meth:`generate`)."""
-        engine, policy = self._require_setup()
-        if self.stale:
-            engine.sync(policy)
-            self.syncs += 1
-            self.stale = False
-        return engine
-
     def _require_setup(self) -> tuple[RolloutEngine, torch.nn.Module]:
         if self.engine is None or self.policy is None:
             raise RuntimeError("RolloutLoop.setup(policy, tokenizer) must be called before generating")
         return self.engine, self.policy
 
     def generate(
-        self, prompts: Sequence[str], *, n: int | None = None, sampling: SamplingParams | None = None
+        self,
+        prompts: Sequence[str],
+        *,
+        version: int = 0,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
+        model: torch.nn.Module | None = None,
     ) -> Rollout:
-        """Sync the engine if stale, then sample ``n`` (default ``samples_per_prompt``) responses per prompt.
+        """Sample ``n`` (default ``samples_per_prompt``) responses per prompt from the policy at ``version``
+        (the engine is synced first when it holds another version: a caller that changes the policy's
+        weights passes a new version, as the online stages do with their optimiser steps).
 
         With the default ``sampling`` this is a training rollout: seeded with ``seed + rollouts``
-        and counted. With an explicit ``sampling`` (e.g. evaluation) its own seed is used and the
-        rollout counter is untouched. Timings go to :attr:`metrics`.
+        and counted. With an explicit ``sampling`` (evaluation, prompt filtering, refills) its own seed
+        is used and the rollout counter is untouched. ``model`` samples from another, frozen model
+        instead of the policy (e.g. the reference ``π_0``), with Hugging Face ``generate``. Timings go
+        to :attr:`metrics`.
         """
         engine, policy = self._require_setup()
         metrics: dict[str, float] = {}
         synced = False
-        if self.stale:
+        if model is not None:
+            engine = self._frozen_engines.get(id(model))
+            if engine is None:
+                engine = HFEngine(self.tokenizer, model, micro_batch_size=self.generation_batch_size)
+                self._frozen_engines[id(model)] = engine
+        elif self.engine_version != version:
             start = time.perf_counter()
             engine.sync(policy)
             metrics["rollout/sync_s"] = time.perf_counter() - start
             self.syncs += 1
-            self.stale = False
+            self.engine_version = version
             synced = True
-        counted = sampling is None
+        counted = sampling is None and model is None
         if sampling is None:
             sampling = SamplingParams(**{**vars(self.sampling), "seed": self.seed + self.rollouts})
         start = time.perf_counter()
@@ -251,60 +239,31 @@ class RolloutLoop:
         self.metrics = metrics
         return rollout
 
-    def collect(self, prompts: Sequence[str], reward: Reward) -> Experience:
-        """One training rollout on ``prompts``, scored by ``reward`` (see :func:`score_rollout`)."""
-        rollout = self.generate(prompts)
+    def collect(
+        self,
+        prompts: Sequence[str],
+        reward: Reward,
+        *,
+        version: int = 0,
+        sampling: SamplingParams | None = None,
+    ) -> Experience:
+        """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
+        (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given."""
+        rollout = self.generate(prompts, version=version, sampling=sampling)
         start = time.perf_counter()
         rewards = score_rollout(reward, rollout)
         self.metrics["rollout/score_s"] = time.perf_counter() - start
-        return Experience(rollout, rewards)
-
-    def num_minibatches(self, num_rows: int) -> int:
-        """How many minibatches :meth:`minibatches` yields for ``num_rows`` rows (all epochs)."""
-        return self.epochs * -(-num_rows // self.minibatch_size)
-
-    def minibatches(self, num_rows: int) -> Iterator[torch.Tensor]:
-        """``epochs`` passes over ``range(num_rows)``, each shuffled and cut into ``minibatch_size`` chunks.
-
-        Yields (m,) long index tensors, ``m <= minibatch_size``.
-        """
-        if num_rows < 1:
-            raise ValueError(f"cannot make minibatches of {num_rows} rows")
-        for _ in range(self.epochs):
-            order = (
-                torch.randperm(num_rows, generator=self.generator) if self.shuffle else torch.arange(num_rows)
-            )
-            yield from order.split(self.minibatch_size)
-
-    def show_phase(self, trainer, phase: str) -> None:
-        """Show the current phase (``"rollout"``, ``"train"``) in the trainer's progress bar (TQDM or Rich)."""
-        bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
-        if bar is None or not bar.is_enabled:
-            return
-        description = f"Epoch {trainer.current_epoch} [{phase}]"
-        tqdm_bar = getattr(bar, "_train_progress_bar", None)
-        if tqdm_bar is not None:
-            tqdm_bar.set_description(description, refresh=True)
-            return
-        progress, task = getattr(bar, "progress", None), getattr(bar, "train_progress_bar_id", None)
-        if progress is not None and task is not None:
-            progress.update(task, description=description)
-            bar.refresh()
+        return Experience(rollout, rewards, torch.full((len(rollout),), version, dtype=torch.long))
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the shuffling generator's state, for checkpoints."""
-        return {
-            "rollouts": self.rollouts,
-            "syncs": self.syncs,
-            "generator": self.generator.get_state(),
-        }
+        """The counters, for checkpoints."""
+        return {"rollouts": self.rollouts, "syncs": self.syncs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the engine is synced before the next generation."""
-        missing = {"rollouts", "syncs", "generator"} - set(state)
+        missing = {"rollouts", "syncs"} - set(state)
         if missing:
             raise KeyError(f"RolloutLoop state is missing {sorted(missing)}")
         self.rollouts = int(state["rollouts"])
         self.syncs = int(state["syncs"])
-        self.generator.set_state(state["generator"])
-        self.stale = True
+        self.engine_version = None

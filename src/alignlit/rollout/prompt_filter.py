@@ -7,17 +7,20 @@ learn from against the current policy and is dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from alignlit.rollout.base import RolloutEngine, SamplingParams
+from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.reward import Reward, score_rollout
+
+Generate = Callable[[Sequence[str], int, SamplingParams], Rollout]
+"""``generate(prompts, n, sampling) -> Rollout``: an engine's ``generate`` or the rollout loop's."""
 
 
 def reward_variance(
-    engine: RolloutEngine,
+    generate: Generate,
     reward: Reward,
     prompts: Sequence[str],
     *,
@@ -27,7 +30,7 @@ def reward_variance(
 ) -> torch.Tensor:
     """(B,) unbiased variance of the rewards of ``k`` sampled responses per prompt.
 
-    Prompts go to the engine ``batch_size`` at a time; with ``sampling.seed`` set, chunk ``c`` is
+    Prompts go to ``generate`` ``batch_size`` at a time; with ``sampling.seed`` set, chunk ``c`` is
     sampled with seed ``sampling.seed + c`` (reproducible for a given batch size).
     """
     if k < 2:
@@ -38,7 +41,7 @@ def reward_variance(
     for chunk, start in enumerate(range(0, len(prompts), batch_size)):
         seed = None if sampling.seed is None else sampling.seed + chunk
         params = SamplingParams(**{**vars(sampling), "seed": seed})
-        rollout = engine.generate(list(prompts[start : start + batch_size]), k, params)
+        rollout = generate(list(prompts[start : start + batch_size]), k, params)
         rewards = score_rollout(reward, rollout).view(-1, k).double()  # (b, k)
         variances.append(rewards.var(dim=-1, unbiased=True))
     return torch.cat(variances) if variances else torch.zeros(0, dtype=torch.float64)
@@ -71,7 +74,7 @@ class PromptFilter:
 
     def __call__(
         self,
-        engine: RolloutEngine,
+        generate: Generate,
         reward: Reward,
         prompts: Sequence[str],
         *,
@@ -86,7 +89,7 @@ class PromptFilter:
         if sampling is None:
             sampling = replace(default_sampling or SamplingParams(), seed=self.seed)
         variances = reward_variance(
-            engine, reward, prompts, k=self.k, sampling=sampling, batch_size=self.batch_size
+            generate, reward, prompts, k=self.k, sampling=sampling, batch_size=self.batch_size
         )
         keep = (variances >= self.epsilon).tolist()
         kept = [p for p, ok in zip(prompts, keep) if ok]

@@ -10,18 +10,22 @@ A reward is any of
 
 :func:`score_rollout` scores a :class:`~alignlit.rollout.base.Rollout` with any of them and checks the
 result; :func:`resolve_reward` turns a config value (a reward-model directory or the dotted path of a
-function) into one.
+function) into one. :class:`PreferenceRanking` makes a pairwise preference model a reward that ranks
+each prompt's samples together.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
 from alignlit.checks import import_object
+from alignlit.data.records import read_records
+from alignlit.models.reward import load_preference_model
 from alignlit.rollout.base import Rollout
 
 
@@ -48,18 +52,89 @@ Reward = RolloutScorer | RewardModel | RewardFn
 """Any of the three reward kinds (see the module docstring)."""
 
 
-def _checked(out, n: int, prompts: Sequence[str], texts: Sequence[str]) -> torch.Tensor:
-    rewards = torch.as_tensor(out.detach() if torch.is_tensor(out) else out, dtype=torch.float32).cpu()
-    if rewards.shape != (n,):
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _reward_name(reward) -> str:
+    name = getattr(reward, "__qualname__", None) or type(reward).__qualname__
+    module = getattr(reward, "__module__", None) or type(reward).__module__
+    return f"{module}.{name}" if module and module != "builtins" else name
+
+
+def _number(value, row: int, where: str) -> float:
+    """One score as a float32-representable float, or a ValueError saying what it is instead."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{where} returned a tensor of shape {tuple(value.shape)} at row {row}; expected one number"
+            )
+        value = value.item()
+    elif hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
+        value = value.item()  # a NumPy scalar
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value is None:
+            what = "None"
+        else:
+            kind = "a complex number" if isinstance(value, complex) else type(value).__name__
+            what = f"{kind} ({value!r:.60})"
+        raise ValueError(f"{where} returned {what} at row {row}; expected a real number")
+    try:
+        number = float(value)
+    except OverflowError:
         raise ValueError(
-            f"reward returned shape {tuple(rewards.shape)} for {n} responses; expected ({n},), one score "
-            "per response"
+            f"{where} returned an integer of {len(str(abs(value)))} digits at row {row}, too large for a float "
+            f"(float32 holds at most {FLOAT32_MAX:.3g})"
+        ) from None
+    if math.isfinite(number) and abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{where} returned {number:.6g} at row {row}, which overflows float32 (the largest float32 is "
+            f"{FLOAT32_MAX:.3g}); scale the reward down"
         )
+    return number
+
+
+def _checked(out, n: int, prompts: Sequence[str], texts: Sequence[str], reward=None) -> torch.Tensor:
+    """``out`` as a (n,) float32 CPU tensor, or a ``ValueError`` that starts with "reward ... returned"
+    and says what came back instead of one finite real number per response."""
+    where = "reward" if reward is None else f"reward {_reward_name(reward)}"
+    if torch.is_tensor(out):
+        if out.is_complex():
+            raise ValueError(f"{where} returned a complex tensor ({out.dtype}); expected real scores")
+        if not (
+            out.is_floating_point()
+            or out.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+        ):
+            raise ValueError(f"{where} returned a tensor of dtype {out.dtype}; expected real scores")
+        values = out.detach().to("cpu", torch.float64)
+        if values.shape != (n,):
+            raise ValueError(
+                f"{where} returned shape {tuple(values.shape)} for {n} responses; expected ({n},), one score "
+                "per response"
+            )
+        big = (values.abs() > FLOAT32_MAX) & torch.isfinite(values)
+        if big.any():
+            row = int(big.nonzero()[0])
+            _number(float(values[row]), row, where)
+        rewards = values.float()
+    else:
+        if out is None or isinstance(out, (str, bytes, dict, set, frozenset)) or not hasattr(out, "__len__"):
+            kind = "None" if out is None else type(out).__name__
+            raise ValueError(
+                f"{where} returned {kind}"
+                + ("" if out is None else f" ({out!r:.60})")
+                + f"; expected one number per response: a list of {n} floats or a ({n},) tensor"
+            )
+        if getattr(out, "ndim", 1) != 1 or len(out) != n:
+            shape = tuple(getattr(out, "shape", (len(out),)))
+            raise ValueError(
+                f"{where} returned shape {shape} for {n} responses; expected ({n},), one score per response"
+            )
+        rewards = torch.tensor([_number(v, i, where) for i, v in enumerate(out)], dtype=torch.float32)
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:3].tolist()
         raise ValueError(
-            f"reward returned non-finite scores at rows {bad}, e.g. prompt {prompts[bad[0]]!r} / "
-            f"response {texts[bad[0]]!r}"
+            f"{where} returned non-finite scores at rows {bad} ({float(rewards[bad[0]])} at row {bad[0]}), "
+            f"e.g. prompt {prompts[bad[0]]!r} / response {texts[bad[0]]!r}"
         )
     return rewards
 
@@ -81,7 +156,7 @@ def score_texts(reward: Reward, prompts: Sequence[str], responses: Sequence[str]
             "reward must have .score(prompts, responses) or be callable (prompts, responses) -> rewards; "
             f"got {type(reward).__name__}"
         )
-    return _checked(out, len(prompts), prompts, responses)
+    return _checked(out, len(prompts), prompts, responses, reward)
 
 
 def score_rollout(reward: Reward, rollout: Rollout) -> torch.Tensor:
@@ -92,7 +167,7 @@ def score_rollout(reward: Reward, rollout: Rollout) -> torch.Tensor:
     does not return one finite number per sample.
     """
     if isinstance(reward, RolloutScorer):
-        return _checked(reward.score_rollout(rollout), len(rollout), rollout.prompts, rollout.texts)
+        return _checked(reward.score_rollout(rollout), len(rollout), rollout.prompts, rollout.texts, reward)
     return score_texts(reward, rollout.prompts, rollout.texts)
 
 
@@ -127,3 +202,59 @@ def resolve_reward(spec: str | Reward, *, batch_size: int = 64, dtype: str = "fl
             f"reward {spec!r} is a class: give it as `class_path: {spec}` (with `init_args`), not as a string"
         )
     return resolve_reward(obj)
+
+
+class PreferenceRanking:
+    """A pairwise preference model (a :class:`~alignlit.modules.PairwisePrefModule` export) as the reward
+    of an online stage: the ``n`` samples of each prompt are scored together by
+    :meth:`~alignlit.models.PreferenceModel.rank` (RLHF-Workflow §2.2, §3.3), so best-of-n and worst-of-n
+    come from the preference model. Single samples (validation) score ½ in ``round_robin`` mode.
+
+    Args:
+        model: the preference model's export directory.
+        mode: ``"round_robin"`` (each sample's mean win probability against the prompt's other samples)
+            or ``"reference"`` (its win probability against the prompt's reference response).
+        references: records with ``prompt`` and ``response`` fields (e.g. SFT data) giving each
+            prompt's reference response; ``mode: reference`` only.
+        batch_size: pairs per forward pass (each pair is judged in both orders).
+        dtype: dtype the model is loaded in.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        mode: Literal["round_robin", "reference"] = "round_robin",
+        references: str | None = None,
+        batch_size: int = 16,
+        dtype: str = "float32",
+    ):
+        if (mode == "reference") != (references is not None):
+            raise ValueError(
+                "PreferenceRanking: mode 'reference' needs `references`; 'round_robin' takes none"
+            )
+        self.ranker = load_preference_model(model, batch_size=batch_size, dtype=dtype)
+        self.mode, self.references_file = mode, references
+        self.references = (
+            {r.text("prompt"): r.text("response") for r in read_records(references)} if references else {}
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The preference model's network (an online stage moves it with the module and keeps it frozen)."""
+        return self.ranker.model
+
+    def score_rollout(self, rollout: Rollout) -> torch.Tensor:
+        """(N,) scores of the samples of ``rollout``, ranked within each prompt's group of ``n``."""
+        n = rollout.n
+        prompts = rollout.prompts[::n]
+        groups = [rollout.texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        refs = None
+        if self.mode == "reference":
+            missing = [p for p in prompts if p not in self.references]
+            if missing:
+                raise KeyError(
+                    f"{self.references_file}: no reference response for prompt {missing[0]!r} "
+                    f"({len(missing)} of {len(prompts)} prompts have none)"
+                )
+            refs = [self.references[p] for p in prompts]
+        return torch.cat(self.ranker.rank(prompts, groups, mode=self.mode, reference_responses=refs))

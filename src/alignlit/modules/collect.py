@@ -1,0 +1,260 @@
+"""Prompts to a :class:`~alignlit.modules.trajectory.Trajectory`, once for every online stage.
+
+:class:`TrajectoryBuilder` holds the methods :class:`~alignlit.modules.online.OnlineModule` takes
+from this base: :meth:`~TrajectoryBuilder.collect` (the rollout side: sync, generate and score through
+the :class:`~alignlit.rollout.RolloutLoop`, DAPO's overlong penalty and dynamic sampling) and
+:meth:`~TrajectoryBuilder.make_trajectory` (the trainer side: the old and reference log-probs, the
+per-token KL, the rollout/trainer mismatch and its importance weights, the loss mask). The log-probs
+of sampled tokens are computed by :meth:`~TrajectoryBuilder.logprobs` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import ClassVar
+
+import torch
+
+from alignlit.models.forward import response_logprobs
+from alignlit.models.modes import eval_mode
+from alignlit.modules.trajectory import Trajectory
+from alignlit.ops import (
+    informative_groups,
+    kl_estimate,
+    length_reward_correlation,
+    logprob_mismatch,
+    masked_mean,
+    overlong_mask,
+    overlong_penalty,
+    truncated_is_weights,
+)
+from alignlit.rollout.base import Rollout, select_groups
+from alignlit.rollout.loop import Experience
+
+
+def sample_metrics(rollout: Rollout, scores: torch.Tensor) -> dict[str, float]:
+    """Rewards and lengths of a rollout's samples: mean and spread of the reward, token and character
+    lengths, empty and truncated responses, and with ``n >= 2`` samples per prompt the per-prompt
+    reward-length correlation (:func:`~alignlit.ops.length_reward_correlation`)."""
+    tokens = rollout.response_lengths.float()  # (N,)
+    metrics = {
+        "reward/raw": float(scores.mean()),
+        "reward/std": float(scores.std(unbiased=False)),
+        "response/length": float(tokens.mean()),
+        "response/chars": sum(map(len, rollout.texts)) / len(rollout),
+        "response/empty": float((tokens == 0).sum()),
+        "response/truncated": float(sum(r == "length" for r in rollout.finish_reasons)),
+    }
+    if rollout.n >= 2:
+        corr, used, excluded = length_reward_correlation(
+            scores.view(-1, rollout.n), tokens.view(-1, rollout.n)
+        )
+        metrics.update({"length/corr_prompts": float(used), "length/corr_excluded": float(excluded)})
+        if used:
+            metrics["length/reward_corr"] = corr
+    return metrics
+
+
+class TrajectoryBuilder:
+    """Collection and trajectory building of :class:`~alignlit.modules.online.OnlineModule` (a
+    LightningModule with ``rollout``, ``reward``, ``policy``, ``reference``, ``kl``/``kl_ctl``,
+    ``tis_cap``, ``overlong``, ``dynamic_sampling``, ``policy_version`` and ``refill_generator``)."""
+
+    needs_logprobs: ClassVar[bool] = True
+    """Whether the stage trains on the sampled tokens' old and reference log-probs (online DPO and RRHF
+    re-read the texts; DPO computes none)."""
+
+    @torch.no_grad()
+    def logprobs(
+        self, model: torch.nn.Module, ids: tuple[torch.Tensor, ...], *, temperature: float | None = None
+    ) -> torch.Tensor:
+        """(N, T) teacher-forced log-probs of the response tokens ``ids = (prompt_ids, prompt_mask,
+        response_ids, response_mask)`` under ``model`` in eval mode (default temperature: the rollout's)."""
+        if temperature is None:
+            temperature = self.rollout.sampling.temperature
+        with eval_mode(model):
+            return response_logprobs(model, *(t.to(self.device) for t in ids), temperature=temperature)
+
+    # ------------------------------------------------------------------ the prompts
+    def check_positions(self, prompts: list[str], what: str) -> None:
+        """Refuse, before anything is generated, prompts that leave too few of the policy's positions for
+        ``max_new_tokens`` (transformers would only warn, then index past its position table)."""
+        limit = getattr(self.policy.config, "max_position_embeddings", None)
+        if limit is None or not prompts:
+            return
+        new = max(s.max_new_tokens for s in (self.rollout.sampling, self.val_sampling) if s is not None)
+        lengths = [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
+        row = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[row] + new > limit:
+            raise ValueError(
+                f"{what} prompt {row} ({prompts[row][:40]!r}...) has {lengths[row]} tokens: with max_new_tokens "
+                f"{new} a sample needs {lengths[row] + new} positions, but the policy has {limit} "
+                f"(max_position_embeddings). Set the DataModule's max_prompt_length to at most {limit - new} "
+                "(longer prompts are then truncated from the left and counted) or lower "
+                "rollout.sampling.max_new_tokens"
+            )
+
+    def prepare_prompts(self, dm) -> None:
+        """At the start of fit: check the DataModule's prompts against the policy's positions
+        (:meth:`check_positions`) and apply the prompt filter, or restore what it kept from the checkpoint."""
+        prompts = getattr(dm, "train_prompts", None)
+        self.check_positions(prompts or [], "training")
+        self.check_positions(getattr(dm, "val_prompts", None) or [], "validation")
+        if self.prompt_filter is None:
+            return
+        if prompts is None:
+            raise ValueError("prompt_filter needs a DataModule with `train_prompts` (e.g. PromptDataModule)")
+        if self.kept_prompts is not None:  # restored from the checkpoint: the same prompts, not a re-run
+            missing = set(self.kept_prompts) - set(prompts)
+            if missing:
+                raise ValueError(
+                    f"the checkpoint's prompt filter kept {len(missing)} prompt(s) the training data does not "
+                    f"hold, e.g. {next(iter(missing))!r}: resume with the data the run started with"
+                )
+            dm.train_prompts = list(self.kept_prompts)
+            print(
+                f"alignlit: prompt filter: the {len(prompts)} training prompts kept at the start, from the checkpoint"
+            )
+            return
+
+        def generate(batch, n, sampling):
+            return self.rollout.generate(batch, version=self.policy_version, n=n, sampling=sampling)
+
+        kept, report = self.prompt_filter(
+            generate, self.reward, prompts, default_sampling=self.rollout.sampling
+        )
+        if not kept:
+            raise ValueError(f"prompt_filter dropped every training prompt ({report}); lower epsilon")
+        dm.train_prompts = self.kept_prompts = kept
+        print(f"alignlit: prompt filter kept {int(report['kept'])} of {int(report['prompts'])} prompts")
+
+    # ------------------------------------------------------------------ the rollout side
+    def task_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor:
+        """(N,) the reward's scores plus DAPO's soft overlong penalty when it is on."""
+        if self.overlong is None or self.overlong.mode != "penalty":
+            return scores
+        penalty = overlong_penalty(
+            rollout.response_lengths, max_length=self.rollout.sampling.max_new_tokens,
+            buffer=self.overlong.buffer, penalty=self.overlong.penalty,
+        )  # fmt: skip
+        return scores + penalty.to(scores.dtype)
+
+    def _refill_prompts(self, count: int) -> list[str]:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        pool = getattr(dm, "train_prompts", None)
+        if not pool:
+            raise ValueError(
+                "dynamic_sampling.max_tries > 0 needs a DataModule with `train_prompts` (e.g. PromptDataModule)"
+            )
+        picks = torch.randint(len(pool), (count,), generator=self.refill_generator)
+        return [pool[i] for i in picks.tolist()]
+
+    def collect(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
+        """One training rollout of ``prompts`` by the current policy, scored, and :meth:`accept`-ed."""
+        return self.accept(self.rollout.collect(prompts, self.reward, version=self.policy_version))
+
+    def accept(self, experience: Experience) -> tuple[Experience | None, dict[str, float]]:
+        """The samples of a scored rollout to train on: all of them, or with dynamic sampling its
+        informative groups, refilled from further prompts (at most ``max_tries`` rounds) and cut to the
+        batch's number of groups (None when no group is informative). The metrics describe the rollout's
+        samples (:func:`sample_metrics`) and its generation."""
+        loop = self.rollout
+        rollout, n = experience.rollout, experience.rollout.n
+        metrics = {**loop.metrics, **sample_metrics(rollout, experience.rewards)}
+        rewards = self.task_rewards(rollout, experience.rewards)
+        if self.overlong is not None and self.overlong.mode == "penalty":
+            metrics["reward/overlong_penalty"] = float((rewards - experience.rewards).mean())
+        ds, groups = self.dynamic_sampling, len(rollout) // n
+        grouped = [rewards.view(groups, n)]  # (B, n) rewards per part
+        keep = [informative_groups(grouped[0], atol=ds.atol if ds else 0.0).nonzero().flatten()]
+        if n >= 2:  # the groups whose rewards differ (every other one has advantages 0)
+            metrics["dynamic/informative_frac"] = len(keep[0]) / groups
+        if ds is None:
+            return experience, metrics
+        parts = [experience]
+        tries = extra = 0
+        while sum(len(k) for k in keep) < groups and tries < ds.max_tries:
+            seed = int(torch.randint(2**31 - 1, (1,), generator=self.refill_generator))
+            more = loop.collect(
+                self._refill_prompts(groups - sum(len(k) for k in keep)), self.reward,
+                version=self.policy_version, sampling=dataclasses.replace(loop.sampling, seed=seed),
+            )  # fmt: skip
+            parts.append(more)
+            grouped.append(self.task_rewards(more.rollout, more.rewards).view(-1, n))
+            keep.append(informative_groups(grouped[-1], atol=ds.atol).nonzero().flatten())
+            tries, extra = tries + 1, extra + len(more.rollout) // n
+        room, cut = groups, []
+        for k in keep:  # the first `groups` informative groups
+            cut.append(k[:room])
+            room -= len(cut[-1])
+        metrics.update(
+            {"dynamic/tries": float(tries), "dynamic/extra_prompts": float(extra)}
+            | {"dynamic/groups": float(groups - room), "dynamic/full": float(room == 0)}
+        )
+        if room == groups:
+            return None, metrics
+        if tries == 0 and room == 0:  # every group informative
+            return experience, metrics
+        rows = [(c[:, None] * n + torch.arange(n)).flatten() for c in cut]  # (g_k * n,)
+        kept = Experience(
+            select_groups([p.rollout for p in parts], cut, self.tokenizer.pad_token_id),
+            torch.cat([p.rewards[r] for p, r in zip(parts, rows)]),
+            torch.cat([p.versions[r] for p, r in zip(parts, rows)]),
+        )
+        return kept, metrics
+
+    # ------------------------------------------------------------------ the trainer side
+    @torch.no_grad()
+    def make_trajectory(self, experience: Experience) -> tuple[Trajectory, dict[str, float]]:
+        """The :class:`Trajectory` of a scored rollout and its metrics: the loss mask (without the
+        responses cut at the limit under overlong filtering), the task rewards, and when the stage
+        ``needs_logprobs`` the old and reference log-probs (``time/old_logp_s``, ``time/ref_logp_s``),
+        the rollout/trainer mismatch (``mismatch/*``) and truncated IS weights (``tis_cap``), ``kl/ref``
+        (``k1`` summed over each response, averaged) and, with a ``kl`` penalty, the per-token estimate
+        ``kl`` (``kl/coef``, ``kl/token``, ``kl/penalty``)."""
+        rollout, device = experience.rollout, self.device
+        attention = rollout.response_mask.to(device)  # (N, T)
+        action = attention
+        loss_mask = action
+        metrics: dict[str, float] = {}
+        if self.overlong is not None and self.overlong.mode == "filter":
+            finished = overlong_mask(rollout.finish_reasons).to(device)  # (N,)
+            loss_mask = action & finished[:, None]
+            metrics["response/overlong_filtered"] = float((~finished).sum())
+        traj = Trajectory(
+            prompts=list(rollout.prompts), texts=list(rollout.texts),
+            finish_reasons=list(rollout.finish_reasons), n=rollout.n,
+            group=rollout.prompt_index.to(device), version=experience.versions.to(device),
+            prompt_ids=rollout.prompt_ids.to(device), prompt_mask=rollout.prompt_mask.to(device),
+            response_ids=rollout.response_ids.to(device), attention_mask=attention, action_mask=action,
+            loss_mask=loss_mask, behaviour_logprobs=rollout.logprobs.to(device),
+            scores=experience.rewards.to(device),
+            rewards=self.task_rewards(rollout, experience.rewards).to(device),
+        )  # fmt: skip
+        if not self.needs_logprobs:
+            return traj, metrics
+        start = time.perf_counter()
+        traj.old_logprobs = old = self.logprobs(self.policy, traj.ids)  # (N, T)
+        metrics["time/old_logp_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        traj.ref_logprobs = ref = self.logprobs(self.reference, traj.ids)  # (N, T)
+        metrics["time/ref_logp_s"] = time.perf_counter() - start
+        traj.rewards = traj.rewards.to(old.dtype)
+        behaviour = traj.behaviour_logprobs.to(old.dtype)
+        if action.any():
+            mismatch = logprob_mismatch(old, behaviour, action)
+            metrics.update({f"mismatch/{k.removeprefix('mismatch_')}": float(v) for k, v in mismatch.items()})
+            metrics["response/ppl"] = float(torch.exp(-masked_mean(old, action)))
+            if self.tis_cap is not None:
+                traj.is_weights = truncated_is_weights(old, behaviour, action, cap=self.tis_cap)  # (N, T)
+                metrics["mismatch/is_weight_mean"] = float(traj.is_weights[action].mean())
+        metrics["kl/ref"] = float(((old - ref) * action).sum(-1).mean())  # k1 per response
+        if self.kl is not None:
+            traj.kl = kl_estimate(old, ref, self.kl.estimator) * action  # (N, T)
+            beta = self.kl_ctl.value
+            metrics.update(
+                {"kl/coef": beta, "kl/penalty": float((beta * traj.kl).sum(-1).mean())}
+                | ({"kl/token": float(masked_mean(traj.kl, action))} if action.any() else {})
+            )
+        return traj, metrics
