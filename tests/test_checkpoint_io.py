@@ -174,7 +174,9 @@ def test_checkpoint_of_another_stage_names_both(tmp_path, tokenizer_dir):
     trainer = _fit(tmp_path, tokenizer_dir, max_steps=2)
     last = tmp_path / "ckpt" / "last.ckpt"
     ckpt = read_checkpoint(last)
-    assert ckpt["alignlit"] == {"stage": "sft", "module": "alignlit.modules.sft.SFTModule"}
+    stamp = ckpt["alignlit"]
+    assert (stamp["stage"], stamp["module"]) == ("sft", "alignlit.modules.sft.SFTModule")
+    assert len(stamp["run"]) == 32 and stamp["config"] is None  # a run id; no config outside `alignlit fit`
     check_checkpoint_module(ckpt, SFTModule, last)  # same stage: fine
     check_checkpoint_module(ckpt, "alignlit.modules.SFTModule", last)  # re-exported path: same class
     from alignlit.modules import RewardModule

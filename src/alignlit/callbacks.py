@@ -2,8 +2,11 @@
 
 - :class:`ExportDirCheck`: before anything trains, ``export_dir`` must be a place the export can go
   (``""``, a file, a folder of user files or a read-only location fail at once, naming the path);
-- :class:`CheckpointStageStamp`: records the stage and module class in every checkpoint, so that a resume
-  from another stage's checkpoint is refused naming both (``AlignModule.on_load_checkpoint``);
+- :class:`CheckpointStageStamp`: records the stage, module class, run and config in every checkpoint, so
+  that a resume from another stage's checkpoint is refused naming both (``AlignModule.on_load_checkpoint``)
+  and ``alignlit fit --ckpt_path`` can check what the resume changes (:mod:`alignlit.cli.resume`); refuses
+  to start a run into a checkpoint folder holding another run's checkpoints; fails a resume that trains
+  nothing; on Ctrl-C says where the last checkpoint is and how to resume from it;
 - :class:`DivergenceMonitor`: stops a run whose loss, weights or gradients say it diverged, naming
   the step (a learning rate of 1e6 otherwise "trains" to garbage with exit status 0).
 
@@ -21,13 +24,17 @@ thresholds can be set in YAML::
 from __future__ import annotations
 
 import math
+import shlex
+import sys
+import uuid
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 
-from alignlit.checkpoint_io import CHECKPOINT_KEY
+from alignlit.checkpoint_io import CHECKPOINT_KEY, CheckpointError
 from alignlit.models.export import check_export_dir
 
 
@@ -75,15 +82,151 @@ class CompileDecoder(Callback):
 
 
 class CheckpointStageStamp(Callback):
-    """Record the stage and module class in each checkpoint (``checkpoint["alignlit"]``), which
-    ``AlignModule.on_load_checkpoint`` and ``alignlit fit --ckpt_path`` check before a resume."""
+    """The run's checkpoints: stamped, kept apart from other runs', and resumed only to train.
+
+    - Every checkpoint records (``checkpoint["alignlit"]``) the stage, the module class, a run id (kept
+      across resumes) and the run's full config when ``alignlit fit`` recorded one (``cli_config``);
+      ``AlignModule.on_load_checkpoint`` and ``alignlit fit --ckpt_path`` check them before a resume.
+    - A run refuses to start (:class:`~alignlit.checkpoint_io.CheckpointError`, naming the folder and
+      files) when a ``ModelCheckpoint`` folder holds checkpoints of another run: a fresh run into a
+      non-empty folder, or a resume into a folder with checkpoints stamped by a different run. Lightning
+      would write ``last-v1.ckpt`` beside the other run's ``last.ckpt``, and ``--ckpt_path …/last.ckpt``
+      would then resume the other run.
+    - A resume that trains zero steps (the checkpoint is already at the run's length) raises a
+      :class:`~alignlit.checkpoint_io.CheckpointError` before the stage exports, instead of re-exporting
+      the checkpoint's weights with exit status 0.
+    - On Ctrl-C it prints the last checkpoint and the command that resumes from it.
+    """
+
+    def __init__(self):
+        self.run_id = uuid.uuid4().hex
+        self.resumed_step: int | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         cls = type(pl_module)
         checkpoint[CHECKPOINT_KEY] = {
             "stage": getattr(pl_module, "stage", None),
             "module": f"{cls.__module__}.{cls.__qualname__}",
+            "run": self.run_id,
+            "config": getattr(pl_module, "cli_config", None),
         }
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        self.run_id = (checkpoint.get(CHECKPOINT_KEY) or {}).get("run") or self.run_id
+        self.resumed_step = int(checkpoint.get("global_step", 0))
+
+    # ---------------------------------------------------------------- one run per checkpoint folder
+    def on_fit_start(self, trainer, pl_module) -> None:
+        resumed = trainer.ckpt_path if trainer.ckpt_path and _is_local(trainer.ckpt_path) else None
+        run = checkpoint_run(resumed) if resumed else None
+        for callback in trainer.checkpoint_callbacks:
+            folder = getattr(callback, "dirpath", None)
+            if not folder or not _is_local(folder) or not Path(folder).is_dir():
+                continue
+            files = sorted(p for p in Path(folder).glob("*.ckpt") if p.is_file())
+            if resumed:
+                files = [
+                    p
+                    for p in files
+                    if p.resolve() != Path(resumed).resolve() and checkpoint_run(p) not in (None, run)
+                ]
+            if files:
+                raise CheckpointError(foreign_checkpoints_message(folder, files, resumed))
+
+    # ---------------------------------------------------------------- a resume must train
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.resumed_step is None or trainer.interrupted or trainer.global_step > self.resumed_step:
+            return
+        raise CheckpointError(
+            f"resumed from {trainer.ckpt_path} at global step {self.resumed_step}, where the run already ends "
+            f"(max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}, limit_train_batches="
+            f"{trainer.limit_train_batches}): 0 steps were trained and nothing was exported. To train further, "
+            "raise the run's length (--trainer.max_steps, --trainer.max_epochs or --trainer.limit_train_batches) "
+            "beyond the checkpoint's"
+        )
+
+    # ---------------------------------------------------------------- Ctrl-C
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:
+            print(interrupted_message(trainer, pl_module), file=sys.stderr, flush=True)
+
+
+def _is_local(path) -> bool:
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    return _is_local_file_protocol(str(path))
+
+
+def checkpoint_run(path) -> str | None:
+    """The run id stamped in a checkpoint file (None: none, or unreadable)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    meta = checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, dict) else None
+    return meta.get("run") if isinstance(meta, dict) else None
+
+
+def foreign_checkpoints_message(folder, files: list[Path], resumed) -> str:
+    names = ", ".join(p.name for p in files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+    last = Path(folder) / "last.ckpt"
+    if resumed:
+        what = f"the run of {resumed} would write its checkpoints among those of another run ({names})"
+    else:
+        what = (
+            f"it already holds checkpoints of another run ({names}): this run's would be written beside them "
+            "(last-v1.ckpt beside last.ckpt), and a later --ckpt_path .../last.ckpt would resume the other run"
+        )
+    resume = f"resume that run with --ckpt_path {last}, " if last.exists() and not resumed else ""
+    return (
+        f"checkpoint folder {folder}: {what}. To go on, {resume}give this run another folder "
+        "(--trainer.callbacks.init_args.dirpath DIR for the last ModelCheckpoint of the config) or move "
+        "those checkpoints away"
+    )
+
+
+def last_checkpoint(trainer) -> str | None:
+    """The newest checkpoint file this run wrote (or resumed from)."""
+    paths = []
+    for callback in trainer.checkpoint_callbacks:
+        for name in ("_last_checkpoint_saved", "last_model_path", "best_model_path"):
+            value = getattr(callback, name, None)
+            if value and Path(value).is_file():
+                paths.append(Path(value))
+    if paths:
+        return str(max(paths, key=lambda p: p.stat().st_mtime))
+    return str(trainer.ckpt_path) if trainer.ckpt_path else None
+
+
+def resume_command(command: list[str] | None, ckpt: str) -> str | None:
+    """``command`` (``["alignlit", "fit", ...]``) with its ``--ckpt_path`` replaced by ``ckpt``."""
+    if not command:
+        return None
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+            continue
+        if arg == "--ckpt_path":
+            skip = True
+            continue
+        if arg.startswith("--ckpt_path="):
+            continue
+        out.append(arg)
+    return shlex.join([*out, "--ckpt_path", ckpt])
+
+
+def interrupted_message(trainer, pl_module) -> str:
+    ckpt = last_checkpoint(trainer)
+    head = f"alignlit: interrupted at global step {trainer.global_step}."
+    if ckpt is None:
+        return (
+            f"{head} No checkpoint was written (a ModelCheckpoint callback with every_n_train_steps writes "
+            "them): the run has to start over."
+        )
+    command = resume_command(getattr(pl_module, "cli_command", None), ckpt)
+    how = f"\n  {command}" if command else f" (Trainer.fit(..., ckpt_path={ckpt!r}))"
+    return f"{head} The last checkpoint is {ckpt}; resume the run with:{how}"
 
 
 def _global_norm(tensors) -> torch.Tensor:

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None):
     explicit = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from alignlit.quiet import install
+
+    install()  # the benign messages of Lightning and transformers, by exact text (alignlit.quiet)
     if not argv or argv[0] in {"-h", "--help"}:
         print(USAGE)
         return None

@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
+from alignlit.data.encoding import OVERFLOW_CHOICES
 from alignlit.data.records import parse_prompt, read_records
 from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table, win_rate
+from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.eval.score import rm_selector
+from alignlit.models.reward import model_positions
 from alignlit.rollout.base import SamplingParams
 from alignlit.sim import load_sim
 
@@ -40,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompts", type=int, default=500, help="held-out prompts (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
+    p.add_argument(
+        "--prompt-overflow",
+        choices=OVERFLOW_CHOICES,
+        default="error",
+        help="a prompt too long for a policy's (or the reference's) positions with --max-new-tokens after "
+        "it: refuse ('error', the default), keep its end ('truncate') or leave it out ('drop'); counted",
+    )
     p.add_argument("--greedy", action="store_true", help="also evaluate greedy decoding")
     p.add_argument("--best-of", type=int, nargs="*", default=[], help="best-of-n rows")
     p.add_argument(
@@ -125,7 +135,23 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
     torch.manual_seed(args.seed)
     task, manifest = load_sim(args.sim)
     prompt_file = Path(args.sim) / f"prompts_{args.split}.jsonl"
-    prompts = [parse_prompt(r) for r in read_records(prompt_file)][: args.n_prompts]
+    records = read_records(prompt_file)[: args.n_prompts]
+    prompts = [parse_prompt(r) for r in records]
+    readers = prompt_readers(args)
+    try:
+        prompts, fitted = fit_prompts(
+            prompts,
+            readers,
+            max_new_tokens=args.max_new_tokens,
+            overflow=args.prompt_overflow,
+            sources=[r.source for r in records],
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    if describe(fitted, readers, args.max_new_tokens):
+        print(f"alignlit eval: {describe(fitted, readers, args.max_new_tokens)}")
+    if not prompts:
+        parser.error(f"{prompt_file}: no prompt fits the policies (--prompt-overflow drop left none)")
     sampling = SamplingParams(
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
@@ -172,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
                     )
                 )
     print(format_table(results, baseline=baseline))
+    for spec, select_fn in zip(args.select, selectors):
+        rm_cut = getattr(getattr(select_fn, "reward", None), "describe_truncation", None)
+        if callable(rm_cut) and rm_cut():
+            print(f"alignlit eval: {spec}: {rm_cut()}")
     demos = manifest["stats"]["sft"]["train"]
     print(
         f"\ndemonstrations (sft_train.jsonl): mean gold {demos['demo_mean_gold']:.3f}; "
@@ -187,7 +217,13 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(
             json.dumps(
-                {"results": rows, "demonstrations": demos, "prompts": len(prompts), "split": args.split},
+                {
+                    "results": rows,
+                    "demonstrations": demos,
+                    "prompts": len(prompts),
+                    "split": args.split,
+                    "prompt_fit": fitted,
+                },
                 indent=2,
             )
             + "\n"
@@ -205,6 +241,31 @@ def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
         )
         print(f"alignlit eval: gold-vs-KL plot -> {written}")
     return results
+
+
+def prompt_readers(args) -> list[Reader]:
+    """Every model that reads the prompts (the policies, the untrained model, the reference), with its
+    tokenizer and positions, read from its config without loading weights."""
+    from transformers import AutoConfig
+
+    from alignlit.data.tokenizer import load_tokenizer
+    from alignlit.models import TinyLlama
+    from alignlit.models.lora import adapter_base, is_adapter_dir
+
+    readers = []
+    if args.untrained:
+        spec = TinyLlama(tokenizer=args.untrained)
+        readers.append(
+            Reader("the untrained model", load_tokenizer(args.untrained), spec.max_position_embeddings)
+        )
+    for role, path in [("policy", p) for p in args.policy] + [("reference", args.reference)] * bool(
+        args.reference
+    ):
+        if not Path(path).is_dir():
+            continue  # load_policy says what is wrong with it
+        config = AutoConfig.from_pretrained(str(adapter_base(path) if is_adapter_dir(path) else path))
+        readers.append(Reader(f"the {role} {path}", load_tokenizer(path), model_positions(config)))
+    return readers
 
 
 def sampling_label(sampling: SamplingParams) -> str:

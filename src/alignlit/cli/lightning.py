@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from alignlit.checkpoint_io import AtomicCheckpointIO, check_checkpoint_module, read_checkpoint
+from alignlit.checkpoint_io import (
+    CHECKPOINT_KEY,
+    AtomicCheckpointIO,
+    check_checkpoint_module,
+    read_checkpoint,
+)
+from alignlit.cli.config_errors import AlignArgumentParser
+from alignlit.cli.resume import config_changes, hparams_changes, refusal
 from alignlit.modules.base import AlignModule
 
 INT_OR_FRACTION = {
@@ -35,6 +44,12 @@ class AlignCLI(LightningCLI):
       destination, fsynced and renamed into place) unless the config names another ``CheckpointIO``;
     - checks a ``--ckpt_path`` before anything is built: a truncated or foreign file, or a checkpoint
       of another stage than the config's ``model``, is an error naming the file and both classes;
+    - applies the resume contract (:mod:`alignlit.cli.resume`): the config is compared with the one the
+      checkpoint records; changes of where and how long the run goes are applied and logged, changes of
+      what it trains are refused naming each field (LightningCLI instead replaced the model's arguments
+      by the checkpoint's hyperparameters, silently);
+    - reports command-line and config errors in one line naming the field, the file it came from and
+      the closest valid name (:mod:`alignlit.cli.config_errors`), without the usage dump;
     - reports a stage's or DataModule's own argument error (``optim.lr must be in (0, 10]``) as a
       command-line error, without jsonargparse's dump of the whole config;
     - reads ``--trainer.limit_train_batches 1`` (and the other batch limits, ``overfit_batches`` and
@@ -46,13 +61,18 @@ class AlignCLI(LightningCLI):
     """
 
     def __init__(self, args=None, run: bool = True):
+        argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
+        AlignArgumentParser.argv = argv
+        self.command = ["alignlit", *argv]
         super().__init__(
+            parser_class=AlignArgumentParser,
             model_class=AlignModule,
             datamodule_class=LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "alignlit"},
             trainer_defaults={"use_distributed_sampler": False},
             args=args,
             run=run,
@@ -69,13 +89,38 @@ class AlignCLI(LightningCLI):
         if ckpt_path and ckpt_path not in ("last", "best", "hpc", "registry"):
             path = Path(ckpt_path)
             if not path.is_file():
-                self.parser.error(f"--ckpt_path {ckpt_path}: no such checkpoint file")
+                self._fail(f"--ckpt_path {ckpt_path}: no such checkpoint file")
             checkpoint = read_checkpoint(path, map_location="cpu", mmap=True)
             model = self.config[sub].get("model")
             class_path = getattr(model, "class_path", None) if model is not None else None
             if class_path:
                 check_checkpoint_module(checkpoint, class_path, path)
-        super()._parse_ckpt_path()
+            self._check_resume(checkpoint, ckpt_path, _to_plain(self.config[sub]))
+        # not LightningCLI's: it replaces the model's arguments by the checkpoint's hyperparameters
+
+    def _fail(self, message: str):
+        """Exit with status 2 and ``message``, as ``alignlit <subcommand>: error: ...``."""
+        sub = self.config.get("subcommand") if getattr(self, "config", None) is not None else None
+        parser = getattr(self, "_subcommand_parsers", {}).get(sub, self.parser)
+        parser.fail(message)
+
+    def _check_resume(self, checkpoint: dict, ckpt_path: str, given: dict[str, Any]) -> None:
+        """The resume contract (:mod:`alignlit.cli.resume`): refuse changed settings that the run's
+        optimisation depends on, naming each; log the changes that are applied."""
+        saved = (checkpoint.get(CHECKPOINT_KEY) or {}).get("config")
+        if saved:
+            changes = config_changes(saved, given)
+        else:
+            changes = hparams_changes(checkpoint.get("hyper_parameters") or {}, given.get("model") or {})
+            print(
+                f"alignlit: {ckpt_path} records no config (written outside `alignlit fit` or by an older "
+                "alignlit): only the model's saved hyperparameters are compared with this command line"
+            )
+        refused = [c for c in changes if not c.applied]
+        if refused:
+            self._fail(refusal(ckpt_path, refused))
+        for change in changes:
+            print(f"alignlit: resuming {ckpt_path} with a changed setting: {change}")
 
     def instantiate_classes(self) -> None:
         try:
@@ -86,12 +131,12 @@ class AlignCLI(LightningCLI):
                 raise
             # a stage's or DataModule's own argument check, buried by jsonargparse under "Does not validate
             # against any of the Union subtypes" and a dump of the whole config: say only what is wrong
-            self.parser.error("; ".join(reasons))
+            self._fail("; ".join(reasons))
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         logger = config.get("logger")
         if (logger is False or logger == []) and not config.get("default_root_dir"):
-            self.parser.error(
+            self._fail(
                 "--trainer.logger false needs --trainer.default_root_dir DIR: without a logger, checkpoints "
                 "without a dirpath, curves and config.yaml would be written into the current directory"
             )
@@ -102,15 +147,38 @@ class AlignCLI(LightningCLI):
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins
+        configured = config.get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in [*configured, *callbacks]
+        ):
+            from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+            if _RICH_AVAILABLE:  # else Lightning's tqdm bar, which has no "Epoch 0/-2"
+                callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
 
     def _record_config(self) -> None:
         sub = self.config.get("subcommand")
         cfg = self.config[sub] if sub else self.config
         self.model.cli_config = _to_plain(cfg)
+        self.model.cli_command = self.command
 
     def before_fit(self) -> None:
         self._record_config()
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's Rich progress bar, whose description is ``Epoch N`` when the run's length is in steps
+    (Lightning's own writes ``Epoch 0/-2`` for ``max_epochs = -1``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = f"Epoch {current_epoch}"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
+            description += f"/{self.trainer.max_epochs - 1}"
+        if len(self.validation_description) > len(description):
+            description = f"{description:{len(self.validation_description)}}"
+        return description
 
 
 def _union_errors(message: str) -> list[str]:

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import torch
 
+from alignlit.data.encoding import OVERFLOW_CHOICES
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, write_jsonl
 from alignlit.data.records import parse_prompt, read_records
+from alignlit.eval.lengths import Reader, describe, fit_prompts
+from alignlit.models.reward import model_positions
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.reward import resolve_reward, score_texts
 from alignlit.rollout.sampling import Scorer, sample_ranked
@@ -50,6 +53,7 @@ def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 6
     def scorer(prompts, responses):
         return score_texts(reward, prompts, responses).tolist()
 
+    scorer.reward = reward  # for the truncation report of a reward model (RewardModel.counts)
     return scorer
 
 
@@ -85,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (default: 0, off)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
+    p.add_argument(
+        "--prompt-overflow",
+        choices=OVERFLOW_CHOICES,
+        default="error",
+        help="a prompt too long for the policy's positions with --max-new-tokens after it: refuse "
+        "('error', the default), keep its end ('truncate') or leave it out ('drop'); counted",
+    )
     p.add_argument("--stop", nargs="*", default=[], help="stop strings, e.g. '\\n\\nHuman:'")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default: 64)")
@@ -141,12 +152,28 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         parser.error("--pairs and --rft need --scorer (a reward-model directory or 'gold')")
     if args.pairs and args.n < 2:
         parser.error("--pairs needs --n >= 2")
-    prompts = [parse_prompt(r) for r in read_records(args.prompts)][: args.max_prompts]
+    records = read_records(args.prompts)[: args.max_prompts]
+    prompts = [parse_prompt(r) for r in records]
     if not prompts:
         parser.error(f"{args.prompts}: no prompts")
     scorer = load_scorer(args.scorer, sim=args.sim, batch_size=args.batch_size) if args.scorer else None
     policy, tokenizer = load_policy(args.policy, dtype=args.dtype)
     policy.eval()
+    readers = [Reader(f"the policy {args.policy}", tokenizer, model_positions(policy.config))]
+    try:
+        prompts, fitted = fit_prompts(
+            prompts,
+            readers,
+            max_new_tokens=args.max_new_tokens,
+            overflow=args.prompt_overflow,
+            sources=[r.source for r in records],
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    if describe(fitted, readers, args.max_new_tokens):
+        print(f"alignlit sample: {describe(fitted, readers, args.max_new_tokens)}")
+    if not prompts:
+        parser.error(f"{args.prompts}: no prompt fits the policy (--prompt-overflow drop left none)")
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -173,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         best = sum(g.scores[0] for g in groups) / len(groups)
         summary += f"; mean score {mean:.4f}, mean best-of-{args.n} score {best:.4f}"
     print(summary + (f" (left out: {dict(counts)})" if counts else ""))
+    rm_cut = getattr(getattr(scorer, "reward", None), "describe_truncation", None)
+    if callable(rm_cut) and rm_cut():
+        print(f"alignlit sample: {rm_cut()}")
     if args.pairs:
         pairs, counts = best_worst_pairs(groups, length_penalty=args.length_penalty, min_gap=args.min_gap)
         write_jsonl(pairs, args.pairs)

@@ -28,6 +28,7 @@ from alignlit.data.preference import PairError
 from alignlit.data.records import read_records
 from alignlit.eval.score import evaluate_pairs, score_records
 from alignlit.models.export import read_metadata
+from alignlit.models.reward import PositionsError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,20 +65,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.input:
                 from alignlit.sim.data import write_jsonl
 
+                counts: dict[str, int] = {}
                 scored = score_records(
-                    args.model, records, batch_size=args.batch_size, max_length=args.max_length
+                    args.model, records, batch_size=args.batch_size, max_length=args.max_length, counts=counts
                 )
                 write_jsonl(args.output, scored)
                 s = torch.tensor([r["score"] for r in scored])
-                print(
-                    f"scored {len(scored)} records (mean {s.mean():.4f}, std {s.std():.4f}) -> {args.output}"
-                )
+                spread = f", std {s.std():.4f}" if len(s) > 1 else ""
+                print(f"scored {len(scored)} records (mean {s.mean():.4f}{spread}) -> {args.output}")
+                print(truncation_line(counts))
                 return
             metrics = evaluate_pairs(
                 args.model, records, batch_size=args.batch_size, max_length=args.max_length
             )
     except PairError as e:
         sys.exit(f"alignlit score: {e}")
+    except PositionsError as e:
+        parser.error(f"--max-length {args.max_length}: {e}")
     metrics = {
         "model": args.model,
         "pairs_file": args.pairs,
@@ -85,6 +89,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         **metrics,
     }
     print(json.dumps(metrics, indent=2))
+    if "sequences" in metrics:
+        print(truncation_line(metrics))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def truncation_line(counts: dict[str, int]) -> str:
+    """What the reward model's length limits cut, in one line (``RewardModel.counts``)."""
+    return (
+        f"alignlit score: of {counts['sequences']} scored sequences, {counts['prompts_left_truncated']} had their "
+        f"prompt left-truncated and {counts['responses_right_truncated']} their response cut to fit the reward "
+        "model's max_length (its training limits; --max-length changes them)"
+    )

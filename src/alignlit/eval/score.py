@@ -31,8 +31,10 @@ def _is_pairwise(path: Path) -> bool:
 
 
 def score_records(
-    model_dir: str, records, *, batch_size: int, max_length: int | None
+    model_dir: str, records, *, batch_size: int, max_length: int | None, counts: dict | None = None
 ) -> list[dict[str, Any]]:
+    """Each record with its ``"score"``; ``counts`` (a dict), when given, receives the reward model's
+    :attr:`~alignlit.models.reward.RewardModel.counts` (what its length limits cut)."""
     rm = load_reward_model(model_dir, batch_size=batch_size, max_length=max_length)
     prompts, responses = [], []
     for rec in records:
@@ -45,11 +47,15 @@ def score_records(
             prompts.append(prompt)
             responses.append(response)
     scores = rm.score(prompts, responses)
+    if counts is not None:
+        counts.update(rm.counts)
     return [{**rec.fields, "score": float(s)} for rec, s in zip(records, scores, strict=True)]
 
 
 def evaluate_pairs(model_dir: str, records, *, batch_size: int, max_length: int | None) -> dict[str, float]:
-    """Accuracy and score statistics of a reward model (or a pairwise model) on preference pairs."""
+    """Accuracy and score statistics of a reward model (or a pairwise model) on preference pairs; for a
+    reward model also how many sequences its length limits cut (``prompts_left_truncated``,
+    ``responses_right_truncated`` of ``sequences``)."""
     pairs = []
     for rec in records:
         got, _ = parse_pairs(rec)
@@ -79,6 +85,7 @@ def evaluate_pairs(model_dir: str, records, *, batch_size: int, max_length: int 
         "score_mean": float(every.mean()),
         "score_std": float(every.std()),
         "reward_length_corr": pearson(every, lengths.float()),
+        **rm.counts,
     }
 
 
@@ -95,4 +102,5 @@ def rm_selector(rm_dir: str, *, batch_size: int = 64):
             out[keep] = scores.to(torch.float64)
         return out.tolist()
 
+    select.reward = reward  # for the truncation report of a reward model (RewardModel.counts)
     return select

@@ -12,6 +12,7 @@ before its own swap, and loading ``NAME`` says how to restore it (:func:`interru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -142,10 +143,13 @@ def export_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
-        if has_lora(model):
-            save_lora_model(model, tmp, mode=lora_export, state_dict=state_dict)
-        else:
-            model.save_pretrained(str(tmp), **({"state_dict": state_dict} if state_dict is not None else {}))
+        with _no_progress_bar():  # transformers' "Writing model shards" bar, one line per export
+            if has_lora(model):
+                save_lora_model(model, tmp, mode=lora_export, state_dict=state_dict)
+            else:
+                model.save_pretrained(
+                    str(tmp), **({"state_dict": state_dict} if state_dict is not None else {})
+                )
         tokenizer.save_pretrained(str(tmp))
         meta = {
             "alignlit_version": alignlit.__version__,
@@ -168,6 +172,19 @@ def export_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

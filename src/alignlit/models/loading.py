@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -19,8 +21,9 @@ from transformers import (
 
 from alignlit.data.tokenizer import load_tokenizer
 from alignlit.models.export import interrupted_export_message, read_metadata
-from alignlit.models.lora import adapter_base, is_adapter_dir, load_adapter_export
+from alignlit.models.lora import HEAD_NAMES, adapter_base, is_adapter_dir, load_adapter_export
 from alignlit.models.modes import disable_dropout
+from alignlit.quiet import expected_load_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,9 +143,15 @@ def load_scalar_model(
                 "(alignlit.modules.RewardModule) or a …ForSequenceClassification directory with num_labels 1"
             )
     tok = load_tokenizer(p)
-    hf, info = AutoModelForSequenceClassification.from_pretrained(
-        str(adapter_base(p) if adapter else p), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True
-    )
+    with expected_load_report() if head == "fresh" else contextlib.nullcontext():
+        hf, info = AutoModelForSequenceClassification.from_pretrained(
+            str(adapter_base(p) if adapter else p),
+            num_labels=1,
+            dtype=DTYPES[dtype],
+            output_loading_info=True,
+        )
+    if head == "fresh" and not adapter:
+        _report_fresh_head(p, info)
     if adapter:
         hf.config.pad_token_id = (
             hf.config.pad_token_id if hf.config.pad_token_id is not None else tok.pad_token_id
@@ -159,6 +168,25 @@ def load_scalar_model(
     if hf.config.pad_token_id is None:
         hf.config.pad_token_id = tok.pad_token_id
     return ScalarHeadModel(hf), tok
+
+
+def _report_fresh_head(path: Path, info: dict) -> None:
+    """transformers' load report of a backbone loaded with a fresh scalar head, in one line: the new head
+    and an unused LM head are expected; any other missing or unexpected weight is a real problem and
+    is warned about, naming the weights."""
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    head = [k for k in missing if k.split(".")[0] in HEAD_NAMES]
+    other_missing = [k for k in missing if k not in head]
+    other_unexpected = [k for k in unexpected if not k.startswith("lm_head.")]
+    if other_missing or other_unexpected:
+        warnings.warn(
+            f"{path}: loading it as a scalar-head model left weights freshly initialised that the directory "
+            f"should hold: missing {other_missing[:6]}, unexpected {other_unexpected[:6]}",
+            stacklevel=3,
+        )
+    if head:
+        print(f"alignlit: {path}: a new scalar head ({', '.join(head)}) is initialised, to be trained")
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

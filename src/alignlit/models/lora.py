@@ -389,6 +389,18 @@ def save_lora_model(
     if state_dict is not None and all(k.startswith("hf_model.") for k in state_dict):
         state_dict = {k.removeprefix("hf_model."): v for k, v in state_dict.items()}
     hf.save_pretrained(str(out_dir), state_dict=state_dict)
+    _absolute_base(Path(out_dir) / ADAPTER_CONFIG)
+
+
+def _absolute_base(config_file: Path) -> None:
+    """Record the adapter's base model as an absolute path when it is a local directory: PEFT writes the
+    path the base was loaded from (``out/quickstart/sft``), which resolves only from the directory the
+    stage ran in."""
+    config: dict[str, Any] = json.loads(config_file.read_text())
+    base = config.get("base_model_name_or_path")
+    if base and not Path(base).is_absolute() and Path(base).is_dir():
+        config["base_model_name_or_path"] = str(Path(base).resolve())
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -405,9 +417,15 @@ def adapter_base(path: str | Path) -> Path:
     config: dict[str, Any] = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
     base = config.get("base_model_name_or_path")
     if not base or not Path(base).is_dir():
+        relative = (
+            f" (a relative path, read from the current directory {Path.cwd()}: exports written before "
+            "alignlit recorded absolute base paths name the base relative to where their stage ran)"
+            if base and not Path(base).is_absolute()
+            else ""
+        )
         raise FileNotFoundError(
-            f"{path} is a LoRA adapter whose base model {base!r} is not a local directory; alignlit loads "
-            f"the base from it (edit base_model_name_or_path in {Path(path) / ADAPTER_CONFIG})"
+            f"{path} is a LoRA adapter whose base model {base!r} is not a local directory{relative}; alignlit "
+            f"loads the base from it (edit base_model_name_or_path in {Path(path) / ADAPTER_CONFIG})"
         )
     return Path(base)
 

@@ -19,7 +19,7 @@ import torch
 from alignlit.data.encoding import pad_left, pad_right
 from alignlit.data.preference import PairEncoder, render_prompt
 from alignlit.models.export import read_metadata
-from alignlit.models.loading import load_policy, load_scalar_model
+from alignlit.models.loading import last_token_index, load_policy, load_scalar_model
 
 PACKAGE_PREFIX = "package:"
 DEFAULT_MAX_LENGTH = 512
@@ -41,10 +41,75 @@ def resolve_model_path(path: str | Path) -> Path:
     return Path(path)
 
 
+REWARD_FORMAT_KEY = "alignlit_reward_format"
+"""Attribute of an exported reward model's ``config.json`` that says how it scores (:func:`reward_format`)."""
+
+
+def reward_format(tokenizer, *, max_length: int | None, max_prompt_length: int | None) -> dict[str, Any]:
+    """How a reward model trained by alignlit turns ``(prompt, response)`` into the tokens it scores,
+    as written into its export's ``config.json`` (:data:`REWARD_FORMAT_KEY`), so that plain Hugging Face
+    code can score as alignlit does (README, "Reliability").
+
+    Causal-LM tokenizers: ``prompt + response + EOS`` (prompt and response tokenised separately, without
+    special tokens); encoder tokenizers: ``CLS + prompt + response + SEP``. The prompt keeps its last
+    ``max_prompt_length`` tokens; a response that does not fit ``max_length`` is cut from the right and
+    the end token is kept (:func:`end_with_eos`). The score is the head's output at the last token.
+    """
+    if tokenizer.eos_token_id is not None:
+        layout, specials = ["prompt", "response", "eos"], {"eos_token_id": tokenizer.eos_token_id}
+    else:
+        layout = ["cls", "prompt", "response", "sep"]
+        specials = {"cls_token_id": tokenizer.cls_token_id, "sep_token_id": tokenizer.sep_token_id}
+    return {
+        "layout": layout,
+        **specials,
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "prompt_truncation": "left",
+        "response_truncation": "right, end token kept",
+        "score_at": "last token",
+    }
+
+
+def end_with_eos(input_ids: torch.Tensor, attention_mask: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """(B, T) ``input_ids`` in which every row's last real token is ``eos_id``: a row whose response was
+    cut at the length limit (and so lost its EOS) gets the EOS in place of its last token. A reward
+    model reads its score there, in training (:class:`~alignlit.modules.RewardModule`) and in scoring
+    (:meth:`RewardModel.score`) alike; None (an encoder tokenizer, whose SEP is always kept): unchanged."""
+    if eos_id is None:
+        return input_ids
+    last = last_token_index(attention_mask)  # (B,)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    out = input_ids.clone()
+    out[rows, last] = eos_id
+    return out
+
+
+class PositionsError(ValueError):
+    """A length limit beyond the positions of the model it is for."""
+
+
+def model_positions(config) -> int | None:
+    """The most tokens a model takes (``max_position_embeddings`` or ``n_positions``; None: no limit)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _lengths_from_metadata(
     path: Path, max_length: int | None, max_prompt_length: int | None, config
 ) -> tuple[int, int]:
-    data = read_metadata(path).get("data", {})
+    data = dict(read_metadata(path).get("data", {}))
+    fmt = getattr(config, REWARD_FORMAT_KEY, None) or {}
+    data.update({k: fmt[k] for k in ("max_length", "max_prompt_length") if fmt.get(k)})
+    positions = model_positions(config)
+    if max_length is not None and positions is not None and max_length > positions:
+        raise PositionsError(
+            f"max_length={max_length} is more than the {positions} positions of the reward model {path} "
+            "(max_position_embeddings): give at most that"
+        )
     if max_length is None:
         max_length = data.get("max_length") or min(
             getattr(config, "max_position_embeddings", DEFAULT_MAX_LENGTH), DEFAULT_MAX_LENGTH
@@ -65,8 +130,10 @@ class RewardModel:
     """A trained reward model: ``score(prompts, responses) -> (N,)`` float tensor.
 
     Sequences are encoded as in training (prompt left-truncated to ``max_prompt_length``, the
-    response cut to fit ``max_length``; defaults: the lengths the model was trained with) and scored
-    in batches of ``batch_size``, longest first, without gradients.
+    response cut to fit ``max_length`` with its end token kept; defaults: the lengths the model was
+    trained with) and scored in batches of ``batch_size``, longest first, without gradients. What the
+    limits cut is counted in :attr:`counts` (``prompts_left_truncated``, ``responses_right_truncated``,
+    and ``sequences`` scored), for the caller to report.
     """
 
     def __init__(self, model, tokenizer, *, max_length: int, max_prompt_length: int, batch_size: int = 32):
@@ -76,6 +143,31 @@ class RewardModel:
             tokenizer, max_length=max_length, max_prompt_length=max_prompt_length, overflow="truncate"
         )
         self.batch_size = batch_size
+        self.max_length, self.max_prompt_length = max_length, max_prompt_length
+        self.eos_id = tokenizer.eos_token_id if self.encoder.add_eos else None
+        self.scored = 0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many sequences were scored, and how many of them the length limits cut (prompts from the
+        left, responses from the right), since the model was loaded."""
+        cut = self.encoder.counts
+        return {
+            "sequences": self.scored,
+            "prompts_left_truncated": cut["prompts_left_truncated"],
+            "responses_right_truncated": cut["responses_right_truncated"],
+        }
+
+    def describe_truncation(self) -> str | None:
+        """One sentence about what the length limits cut, or None when nothing was cut."""
+        c = self.counts
+        if not (c["prompts_left_truncated"] or c["responses_right_truncated"]):
+            return None
+        return (
+            f"reward model: of {c['sequences']} scored sequences, {c['prompts_left_truncated']} had their prompt "
+            f"cut to its last {self.max_prompt_length} tokens and {c['responses_right_truncated']} their "
+            f"response cut to fit {self.max_length} tokens"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -100,8 +192,10 @@ class RewardModel:
         for start in range(0, n, self.batch_size):
             rows = order[start : start + self.batch_size]
             input_ids, mask = pad_right([ids[i] for i in rows], self.tokenizer.pad_token_id)
+            input_ids = end_with_eos(input_ids, mask, self.eos_id)
             scores = self.model(input_ids.to(self.device), mask.to(self.device))
             out[torch.tensor(rows)] = scores.float().cpu()
+        self.scored += n
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
 from alignlit.models.loading import last_token_index, load_scalar_model
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import resolve_model_path
+from alignlit.models.reward import REWARD_FORMAT_KEY, end_with_eos, resolve_model_path, reward_format
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
 log = logging.getLogger(__name__)
@@ -110,13 +111,26 @@ class RewardModule(AlignModule):
     def export_model(self):
         return self.rm
 
+    def export(self, out_dir, *, state_dict=None):
+        """The reward model's export, its ``config.json`` saying how it scores
+        (:func:`~alignlit.models.reward.reward_format`: layout, lengths, truncation)."""
+        hp = getattr(getattr(self._trainer, "datamodule", None), "hparams", {}) if self._trainer else {}
+        fmt = reward_format(
+            self.tokenizer, max_length=hp.get("max_length"), max_prompt_length=hp.get("max_prompt_length")
+        )
+        setattr(self.rm.hf_model.config, REWARD_FORMAT_KEY, fmt)
+        return super().export(out_dir, state_dict=state_dict)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(N,) score of each sequence."""
         return self.rm(input_ids, attention_mask)
 
     def scores_and_lm_loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(2B,) scores of the stacked chosen/rejected rows, and the LM imitation NLL of the chosen
-        responses (None without the LM head)."""
+        responses (None without the LM head). A row whose response was cut at ``max_length`` ends with
+        the end token all the same (:func:`~alignlit.models.reward.end_with_eos`), as in scoring."""
+        eos = self.tokenizer.eos_token_id
+        batch = dataclasses.replace(batch, input_ids=end_with_eos(batch.input_ids, batch.attention_mask, eos))
         if self.lm_head is None:
             return sequence_scores(self.rm, batch.input_ids, batch.attention_mask, batch.loss_mask), None
         hf = self.rm.hf_model
