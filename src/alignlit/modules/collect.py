@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from alignlit.data.sampler import ResumableSampler
 from alignlit.models.forward import response_logprobs
 from alignlit.models.modes import eval_mode
 from alignlit.modules.trajectory import Trajectory
@@ -56,6 +57,28 @@ def sample_metrics(rollout: Rollout, scores: torch.Tensor) -> dict[str, float]:
     return metrics
 
 
+def experience_state(result: tuple[Experience | None, dict[str, float]]) -> dict[str, Any]:
+    """A pipeline result ``(experience, metrics)`` as plain tensors, lists and numbers (checkpoints)."""
+    experience, metrics = result
+    if experience is None:
+        return {"experience": None, "metrics": dict(metrics)}
+    rollout = {f.name: getattr(experience.rollout, f.name) for f in dataclasses.fields(experience.rollout)}
+    return {
+        "experience": {"rollout": rollout, "rewards": experience.rewards, "versions": experience.versions},
+        "metrics": dict(metrics),
+    }
+
+
+def load_experience(state: dict[str, Any]) -> tuple[Experience | None, dict[str, float]]:
+    """The inverse of :func:`experience_state`."""
+    saved = state["experience"]
+    if saved is None:
+        return None, dict(state["metrics"])
+    return Experience(Rollout(**saved["rollout"]), saved["rewards"], saved["versions"]), dict(
+        state["metrics"]
+    )
+
+
 class TrajectoryBuilder:
     """Collection and trajectory building of :class:`~alignlit.modules.online.OnlineModule` (a
     LightningModule with ``rollout``, ``reward``, ``policy``, ``reference``, ``kl``/``kl_ctl``,
@@ -84,6 +107,8 @@ class TrajectoryBuilder:
         if limit is None or not prompts:
             return
         new = max(s.max_new_tokens for s in (self.rollout.sampling, self.val_sampling) if s is not None)
+        if getattr(self.rollout, "environment", None) is not None:  # an episode's response side
+            new = self.rollout.max_episode_tokens
         lengths = [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
         row = max(range(len(lengths)), key=lengths.__getitem__)
         if lengths[row] + new > limit:
@@ -151,10 +176,76 @@ class TrajectoryBuilder:
         return [pool[i] for i in picks.tolist()]
 
     def collect(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
-        """One training rollout of ``prompts`` by the current policy, scored, and :meth:`accept`-ed."""
+        """This training step's rollout of ``prompts``, scored and :meth:`accept`-ed: generated now by the
+        current policy (``rollout.max_staleness`` 0), or taken from the pipeline that generated it ahead
+        (:meth:`collect_ahead`)."""
+        if self.rollout.max_staleness:
+            return self.collect_ahead(prompts)
         return self.accept(self.rollout.collect(prompts, self.reward, version=self.policy_version))
 
-    def accept(self, experience: Experience) -> tuple[Experience | None, dict[str, float]]:
+    def produce(
+        self, index: int, prompts: list[str], version: int
+    ) -> tuple[Experience | None, dict[str, float]]:
+        """Step ``index``'s rollout on the pipeline's engine (which holds ``version``), seeded as the
+        synchronous rollout ``index`` is, scored and accepted; runs in the producer thread."""
+        loop = self.rollout
+        sampling = dataclasses.replace(loop.sampling, seed=loop.seed + index)
+        engine = loop.async_engine
+        experience = loop.collect(prompts, self.reward, version=version, sampling=sampling, engine=engine)
+        return self.accept(experience, engine=engine)
+
+    def prompt_schedule(self, index: int) -> list[str]:
+        """The prompts the training loader hands step ``index`` (epoch ``index // batches per epoch``): the
+        pipeline generates them ahead, and each step checks that the loader agrees."""
+        loader = self.trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, ResumableSampler) or sampler.yield_epoch:
+            raise ValueError(
+                "rollout.max_staleness >= 1 generates the prompts of later steps ahead, from the training "
+                f"loader's sampler; it needs alignlit's resumable prompt loader (PromptDataModule), got {loader!r}"
+            )
+        epoch, batch = divmod(index, int(self.trainer.num_training_batches))
+        rows = sampler.order(epoch)[batch * loader.batch_size : (batch + 1) * loader.batch_size]
+        return loader.collate_fn([loader.dataset[i] for i in rows])
+
+    def collect_ahead(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
+        """Take step ``index``'s rollout from the pipeline (``rollout.max_staleness = k``), after submitting
+        the steps up to ``index + k`` from the current weights; assert the staleness bound on every sample
+        and log ``async/staleness_mean``, ``async/staleness_max``, ``async/wait_s``."""
+        loop, k = self.rollout, self.rollout.max_staleness
+        index = loop.rollouts
+        pipeline = loop.pipeline
+        if pipeline is None:
+            pipeline = loop.start_pipeline(self.produce)
+            pipeline.restore(*self.restored_batches)
+        scheduled = self.prompt_schedule(index)
+        if list(prompts) != list(scheduled):
+            raise RuntimeError(
+                f"step {index}: the training loader gave prompts {list(prompts)[:2]}... but the rollout pipeline "
+                f"generated {list(scheduled)[:2]}... for it: the loader's order is not the sampler's"
+            )
+        last = self._planned_rollouts - 1
+        ahead = [j for j in range(index, min(index + k, max(last, index)) + 1) if j not in pipeline.submitted]
+        if ahead:
+            pipeline.publish(loop.snapshot(self.policy_version))
+            for j in ahead:
+                pipeline.submit(j, self.prompt_schedule(j), self.policy_version)
+        waited = pipeline.waited_s
+        experience, metrics = pipeline.take(index)
+        loop.rollouts = index + 1
+        metrics = {**metrics, "async/wait_s": pipeline.waited_s - waited}
+        if experience is not None:
+            staleness = self.policy_version - experience.versions  # (N,)
+            if int(staleness.max()) > k or int(staleness.min()) < 0:
+                raise AssertionError(
+                    f"step {index}: samples of versions {sorted(set(experience.versions.tolist()))} trained by "
+                    f"version {self.policy_version}: staleness outside [0, max_staleness={k}]"
+                )
+            metrics["async/staleness_mean"] = float(staleness.float().mean())
+            metrics["async/staleness_max"] = float(staleness.max())
+        return experience, metrics
+
+    def accept(self, experience: Experience, *, engine=None) -> tuple[Experience | None, dict[str, float]]:
         """The samples of a scored rollout to train on: all of them, or with dynamic sampling its
         informative groups, refilled from further prompts (at most ``max_tries`` rounds) and cut to the
         batch's number of groups (None when no group is informative). The metrics describe the rollout's
@@ -178,7 +269,8 @@ class TrajectoryBuilder:
             seed = int(torch.randint(2**31 - 1, (1,), generator=self.refill_generator))
             more = loop.collect(
                 self._refill_prompts(groups - sum(len(k) for k in keep)), self.reward,
-                version=self.policy_version, sampling=dataclasses.replace(loop.sampling, seed=seed),
+                version=int(experience.versions[0]), sampling=dataclasses.replace(loop.sampling, seed=seed),
+                engine=engine,
             )  # fmt: skip
             parts.append(more)
             grouped.append(self.task_rewards(more.rollout, more.rewards).view(-1, n))
@@ -215,7 +307,7 @@ class TrajectoryBuilder:
         ``kl`` (``kl/coef``, ``kl/token``, ``kl/penalty``)."""
         rollout, device = experience.rollout, self.device
         attention = rollout.response_mask.to(device)  # (N, T)
-        action = attention
+        action = attention if rollout.action_mask is None else rollout.action_mask.to(device)  # (N, T)
         loss_mask = action
         metrics: dict[str, float] = {}
         if self.overlong is not None and self.overlong.mode == "filter":
@@ -231,21 +323,34 @@ class TrajectoryBuilder:
             loss_mask=loss_mask, behaviour_logprobs=rollout.logprobs.to(device),
             scores=experience.rewards.to(device),
             rewards=self.task_rewards(rollout, experience.rewards).to(device),
+            turn_rewards=None if rollout.turn_rewards is None else rollout.turn_rewards.to(device),
         )  # fmt: skip
         if not self.needs_logprobs:
             return traj, metrics
-        start = time.perf_counter()
-        traj.old_logprobs = old = self.logprobs(self.policy, traj.ids)  # (N, T)
-        metrics["time/old_logp_s"] = time.perf_counter() - start
+        behaviour = traj.behaviour_logprobs.to(torch.get_default_dtype())
+        if self.old_logprobs == "behaviour":  # the engine's μ is π_old: no recompute (verl, prime-rl)
+            traj.old_logprobs = old = behaviour * action
+        else:  # the trainer recomputes π_old (the proximal policy of decoupled PPO with tis_cap; AReaL)
+            start = time.perf_counter()
+            traj.old_logprobs = old = self.logprobs(self.policy, traj.ids)  # (N, T)
+            metrics["time/old_logp_s"] = time.perf_counter() - start
         start = time.perf_counter()
         traj.ref_logprobs = ref = self.logprobs(self.reference, traj.ids)  # (N, T)
         metrics["time/ref_logp_s"] = time.perf_counter() - start
-        traj.rewards = traj.rewards.to(old.dtype)
-        behaviour = traj.behaviour_logprobs.to(old.dtype)
+        traj.rewards, behaviour = traj.rewards.to(old.dtype), behaviour.to(old.dtype)
         if action.any():
+            metrics["response/ppl"] = float(torch.exp(-masked_mean(old, action)))
+        if action.any() and self.old_logprobs == "recompute":
             mismatch = logprob_mismatch(old, behaviour, action)
             metrics.update({f"mismatch/{k.removeprefix('mismatch_')}": float(v) for k, v in mismatch.items()})
-            metrics["response/ppl"] = float(torch.exp(-masked_mean(old, action)))
+            staleness = self.policy_version - traj.version  # (N,)
+            if int(staleness.max()) > 0:  # the mismatch of each staleness: weights drift plus numerics
+                for lag in sorted(set(staleness.tolist())):
+                    rows = action & (staleness == lag)[:, None]
+                    if rows.any():
+                        metrics[f"async/mismatch_kl_s{lag}"] = float(
+                            logprob_mismatch(old, behaviour, rows)["mismatch_kl"]
+                        )
             if self.tis_cap is not None:
                 traj.is_weights = truncated_is_weights(old, behaviour, action, cap=self.tis_cap)  # (N, T)
                 metrics["mismatch/is_weight_mean"] = float(traj.is_weights[action].mean())

@@ -23,7 +23,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -32,7 +32,7 @@ from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite, load_policy_and_reference
-from alignlit.modules.collect import TrajectoryBuilder
+from alignlit.modules.collect import TrajectoryBuilder, experience_state, load_experience
 from alignlit.modules.online_parts import (
     DataParallelStats,
     KLPenalty,
@@ -76,7 +76,12 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         tis_cap: truncated importance sampling of the rollout/trainer mismatch (algorithms.md §11):
             each token's policy loss is weighted by ``min(π_old(y_t)/μ(y_t), C)``, ``μ`` the engine's
             sampling distribution, ``C = tis_cap`` (None: off). The mismatch itself is logged every
-            rollout either way (``mismatch/*``).
+            rollout either way (``mismatch/*``). With asynchronous rollouts (``rollout.max_staleness``) the
+            recomputed ``π_old`` is the proximal policy and the weight corrects the staleness too: AReaL's
+            decoupled PPO.
+        old_logprobs: ``π_old``, the denominator of the policy ratio: ``"recompute"``d by the trainer (the
+            default; mismatch metrics and ``tis_cap`` apply), or the engine's ``"behaviour"`` log-probs ``μ``
+            (no recompute forward; verl's and prime-rl's asynchronous anchor; ``tis_cap`` does not apply).
         dynamic_sampling: DAPO dynamic sampling (keep the groups whose rewards differ, refill from more
             prompts; needs ``samples_per_prompt >= 2``; single process); None: off.
         overlong: DAPO's filtering of, or penalty on, responses cut at the token limit; None: off.
@@ -131,6 +136,7 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
         max_grad_norm: float | None = 1.0,
         tis_cap: float | None = None,
+        old_logprobs: Literal["recompute", "behaviour"] = "recompute",
         dynamic_sampling: DynamicSampling | None = None,
         overlong: Overlong | None = None,
         ptx: PtxMix | None = None,
@@ -154,6 +160,13 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if tis_cap is not None and tis_cap < 1:
             raise ValueError(f"tis_cap must be >= 1 or None, got {tis_cap}")
+        if old_logprobs not in ("recompute", "behaviour") or (
+            old_logprobs == "behaviour" and tis_cap is not None
+        ):
+            raise ValueError(
+                f"old_logprobs must be 'recompute' or 'behaviour' (then without tis_cap: π_old is μ), got "
+                f"{old_logprobs!r} with tis_cap {tis_cap}"
+            )
         if reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")
         if dynamic_sampling is not None and self.rollout.samples_per_prompt < 2:
@@ -172,7 +185,7 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
             )
         self.automatic_optimization = False
         self.gradient_checkpointing, self.shard_frozen = gradient_checkpointing, shard_frozen
-        self.max_grad_norm, self.tis_cap = max_grad_norm, tis_cap
+        self.max_grad_norm, self.tis_cap, self.old_logprobs = max_grad_norm, tis_cap, old_logprobs
         self.minibatch_plan = minibatches
         self.kl, self.kl_ctl = kl, (kl.controller() if kl is not None else None)
         self.dynamic_sampling, self.overlong = dynamic_sampling, overlong
@@ -198,9 +211,12 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
 
         self.policy_version = 0
-        """Optimiser steps of the policy so far: the version of its weights, recorded on every sample."""
+        """The version of the policy's weights: the training steps (rollouts) that updated it so far, each
+        with all its minibatch steps; recorded on every sample, and the unit of ``rollout.max_staleness``."""
         self.minibatch_generator = torch.Generator().manual_seed(self.rollout.seed)
         self.refill_generator = torch.Generator().manual_seed(self.rollout.seed)
+        self.restored_batches: tuple[dict, dict] = ({}, {})
+        """Rollouts generated ahead but not trained on at the checkpoint (``max_staleness >= 1``)."""
         self.kept_prompts: list[str] | None = None
         """The training prompts the prompt filter kept (None: no filter, or not run yet)."""
         self.history: list[dict[str, float]] = []
@@ -303,7 +319,7 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
 
     def update(self, name: str, loss: torch.Tensor) -> torch.Tensor:
         """Backward ``loss``, clip the gradient norm of the trained model ``name`` and step its optimizer;
-        returns the norm before clipping. A policy step advances :attr:`policy_version`."""
+        returns the norm before clipping."""
         names = [t.name for t in self.trained_models()]
         if name not in names:
             raise KeyError(f"{type(self).__name__} trains {names}, not {name!r}")
@@ -315,8 +331,6 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         norm = self.clip_grad_norm(model.parameters(), self.max_grad_norm)
         optimizer.step()
         self._stepped.add(index)
-        if model is self.policy:
-            self.policy_version += 1
         return norm
 
     def training_step(self, prompts: list[str], batch_idx: int) -> None:
@@ -335,6 +349,7 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
             schedulers[index].step()
         self.trained_rollouts += bool(self._stepped)
+        self.policy_version += 0 in self._stepped  # the policy (trained model 0) took this step's updates
         metrics["time/train_s"] = time.perf_counter() - start
         for trained, scheduler in zip(self.trained_models(), schedulers):
             metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
@@ -382,7 +397,11 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(prefixes)]:
             del state[key]
+        pipeline = self.rollout.pipeline
+        ahead = pipeline.drain() if pipeline is not None else {}  # first: the producer's state settles
         checkpoint[self.state_key] = {
+            "ahead": {j: experience_state(result) for j, result in ahead.items()},
+            "ahead_versions": {j: pipeline.submitted[j] for j in ahead} if ahead else {},
             "rollout": self.rollout.state_dict(),
             "policy_version": self.policy_version,
             "minibatch_generator": self.minibatch_generator.get_state(),
@@ -414,6 +433,10 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         if self.kl_ctl is not None:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.kept_prompts = state["kept_prompts"]
+        self.restored_batches = (
+            {int(j): load_experience(result) for j, result in state["ahead"].items()},
+            {int(j): int(v) for j, v in state["ahead_versions"].items()},
+        )
         self.history = list(state["history"])
         self.skipped_rollouts, self.trained_rollouts = (
             int(state["skipped_rollouts"]),
@@ -441,7 +464,11 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         print(f"alignlit: {self.stage} curves written to {path}")
         return path
 
+    def teardown(self, stage: str) -> None:
+        self.rollout.stop_pipeline()
+
     def on_fit_end(self) -> None:
+        self.rollout.stop_pipeline()
         self.write_curves()
         if self.global_rank == 0:
             print(

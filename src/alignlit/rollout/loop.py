@@ -13,8 +13,9 @@ that generated it.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,8 +23,11 @@ from typing import Any, Literal
 import torch
 
 from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
+from alignlit.rollout.environment import Environment
+from alignlit.rollout.episodes import EpisodeReturn, run_episodes
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.parity import check_parity
+from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
 from alignlit.rollout.reward import Reward, score_rollout
 
 
@@ -75,6 +79,21 @@ class RolloutLoop:
         vllm_args: extra keyword arguments of :class:`~alignlit.rollout.VLLMEngine` (e.g. ``sync_every``).
         seed: training rollout ``i`` is sampled with seed ``seed + i`` (the stage's other seeded
             choices, e.g. minibatch shuffling, start from it too).
+        max_staleness: ``k``: 0 (the default) generates each training rollout when the step needs it, with
+            the policy's current weights; ``k >= 1`` generates the rollout of step ``j`` in the background
+            while the trainer trains on earlier steps, from the weights of version ``j - k`` (at most ``k``
+            versions older than the policy that trains on it; :mod:`alignlit.rollout.pipeline`). The HF
+            engine then samples in a worker process with its own copy of the weights
+            (:class:`~alignlit.rollout.hf_worker.HFWorkerEngine`); the vLLM engine loads each version's
+            snapshot.
+        worker_threads: torch threads of the HF worker process (``max_staleness >= 1``).
+        environment: multi-turn episodes instead of single responses: every generation plays
+            ``samples_per_prompt`` episodes per prompt with this environment, token in / token out
+            (:func:`~alignlit.rollout.episodes.run_episodes`); the stage's reward must then be an
+            :class:`~alignlit.rollout.episodes.EpisodeReturn`. None: one response per sample.
+        max_turns: most model turns per episode (with ``environment``).
+        max_episode_tokens: most response-side tokens, the model's and the environment's, per episode
+            (with ``environment``; default ``max_turns * sampling.max_new_tokens``).
     """
 
     def __init__(
@@ -88,6 +107,11 @@ class RolloutLoop:
         parity_samples: int = 4,
         vllm_args: dict[str, Any] | None = None,
         seed: int = 0,
+        max_staleness: int = 0,
+        worker_threads: int = 1,
+        environment: Environment | None = None,
+        max_turns: int = 2,
+        max_episode_tokens: int | None = None,
     ):
         sampling = sampling if sampling is not None else SamplingParams()
         if engine not in ("hf", "vllm"):
@@ -102,6 +126,16 @@ class RolloutLoop:
                 raise ValueError(f"rollout {name} must be >= 1, got {value}")
         if parity_every < 0:
             raise ValueError(f"rollout parity_every must be >= 0, got {parity_every}")
+        if max_staleness < 0 or worker_threads < 1:
+            raise ValueError(
+                f"rollout max_staleness must be >= 0 and worker_threads >= 1, got {max_staleness}, {worker_threads}"
+            )
+        if max_staleness and (sampling.top_k > 0 or sampling.top_p < 1):
+            raise ValueError(
+                f"rollout max_staleness {max_staleness} trains on behaviour log-probs that must be those of the "
+                f"distribution sampled from, but top_k={sampling.top_k}, top_p={sampling.top_p} truncate it: "
+                "sample with top_k 0 and top_p 1"
+            )
         self.engine_kind = engine
         self.sampling = sampling
         self.samples_per_prompt = samples_per_prompt
@@ -111,7 +145,17 @@ class RolloutLoop:
         self.parity_samples = parity_samples
         self.vllm_args = dict(vllm_args or {})
         self.seed = seed
+        self.max_staleness, self.worker_threads = max_staleness, worker_threads
+        if max_turns < 1 or (max_episode_tokens is not None and max_episode_tokens < 1):
+            raise ValueError(
+                f"rollout max_turns and max_episode_tokens must be >= 1, got {max_turns}, {max_episode_tokens}"
+            )
+        self.environment, self.max_turns = environment, max_turns
+        self.max_episode_tokens = max_episode_tokens or max_turns * sampling.max_new_tokens
         self.engine: RolloutEngine | None = None
+        self.async_engine = None
+        """The engine with weights of its own that generates ahead (``max_staleness >= 1``)."""
+        self.pipeline: RolloutPipeline | None = None
         self.policy: torch.nn.Module | None = None
         self.rollouts = 0
         """Training rollouts generated so far (the next one is sampled with ``seed + rollouts``)."""
@@ -120,8 +164,16 @@ class RolloutLoop:
         self.engine_version: int | None = None
         """The policy version whose weights the engine holds (None: unknown, sync before generating)."""
         self._frozen_engines: dict[int, HFEngine] = {}
-        self.metrics: dict[str, float] = {}
-        """Timings and throughput of the last :meth:`generate` / :meth:`collect` call."""
+        self._local = threading.local()
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Timings and throughput of this thread's last :meth:`generate` / :meth:`collect` call."""
+        return getattr(self._local, "metrics", {})
+
+    @metrics.setter
+    def metrics(self, value: dict[str, float]) -> None:
+        self._local.metrics = value
 
     def setup(
         self,
@@ -171,6 +223,50 @@ class RolloutLoop:
             engine, data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]
         )
 
+    def start_pipeline(self, produce: Callable[[int, list[str], int], Any]) -> RolloutPipeline:
+        """Start the background producer of ``max_staleness >= 1`` (:mod:`alignlit.rollout.pipeline`):
+        ``produce(index, prompts, version)`` generates (with ``engine=self.async_engine``) and scores step
+        ``index``'s rollout; the engine holds weights of its own, loaded from published snapshots."""
+        engine, policy = self._require_setup()
+        if self.engine_kind == "hf":
+            from alignlit.rollout.hf_worker import HFWorkerEngine
+
+            worker = HFWorkerEngine(
+                policy,
+                self.tokenizer,
+                micro_batch_size=self.generation_batch_size,
+                threads=self.worker_threads,
+            )
+            self.async_engine = worker
+            self.pipeline = RolloutPipeline(
+                lambda snap: worker.load_weights(snap.version, snap.state), produce
+            )
+            return self.pipeline
+        if not hasattr(engine, "load_state"):
+            raise NotImplementedError(
+                f"asynchronous rollouts (max_staleness {self.max_staleness}) with {type(engine).__name__}: the vLLM "
+                "engine serving several training ranks keeps one weight version; run max_staleness 0"
+            )
+        self.async_engine = engine
+        self.pipeline = RolloutPipeline(lambda snap: engine.load_state(snap.state), produce)
+        return self.pipeline
+
+    def snapshot(self, version: int) -> WeightSnapshot:
+        """A copy of the policy's current full state dict on the CPU (LoRA merged), as ``version``."""
+        from alignlit.rollout.vllm_engine import VLLMEngine
+
+        state = VLLMEngine.gather_state_dict(self.policy, "cpu")
+        return WeightSnapshot(version, {k: v.clone() for k, v in state.items()})
+
+    def stop_pipeline(self) -> None:
+        """Stop the producer and its worker (idempotent)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        if self.async_engine is not None and hasattr(self.async_engine, "close"):
+            self.async_engine.close()
+        self.async_engine = None
+
     def _require_setup(self) -> tuple[RolloutEngine, torch.nn.Module]:
         if self.engine is None or self.policy is None:
             raise RuntimeError("RolloutLoop.setup(policy, tokenizer) must be called before generating")
@@ -184,6 +280,7 @@ class RolloutLoop:
         n: int | None = None,
         sampling: SamplingParams | None = None,
         model: torch.nn.Module | None = None,
+        engine: RolloutEngine | None = None,
     ) -> Rollout:
         """Sample ``n`` (default ``samples_per_prompt``) responses per prompt from the policy at ``version``
         (the engine is synced first when it holds another version: a caller that changes the policy's
@@ -192,29 +289,46 @@ class RolloutLoop:
         With the default ``sampling`` this is a training rollout: seeded with ``seed + rollouts``
         and counted. With an explicit ``sampling`` (evaluation, prompt filtering, refills) its own seed
         is used and the rollout counter is untouched. ``model`` samples from another, frozen model
-        instead of the policy (e.g. the reference ``π_0``), with Hugging Face ``generate``. Timings go
-        to :attr:`metrics`.
+        instead of the policy (e.g. the reference ``π_0``), with Hugging Face ``generate``; ``engine`` samples
+        with an engine whose weights the caller manages (the asynchronous producer's). Timings go to
+        :attr:`metrics`.
         """
-        engine, policy = self._require_setup()
-        metrics: dict[str, float] = {}
-        synced = False
-        if model is not None:
+        default, policy = self._require_setup()
+        managed = engine is not None or model is not None
+        if engine is None and model is not None:
             engine = self._frozen_engines.get(id(model))
             if engine is None:
                 engine = HFEngine(self.tokenizer, model, micro_batch_size=self.generation_batch_size)
                 self._frozen_engines[id(model)] = engine
-        elif self.engine_version != version:
+        engine = engine if engine is not None else default
+        if not managed and self.pipeline is not None and self.async_engine is default:
+            with self.pipeline.exclusive():  # the producer's engine: wait for it, then load the policy
+                self.engine_version = None
+                return self._generate(engine, policy, prompts, version, n, sampling, managed)
+        return self._generate(engine, policy, prompts, version, n, sampling, managed)
+
+    def _generate(self, engine, policy, prompts, version, n, sampling, managed) -> Rollout:
+        metrics: dict[str, float] = {}
+        synced = False
+        if not managed and self.engine_version != version:
             start = time.perf_counter()
             engine.sync(policy)
             metrics["rollout/sync_s"] = time.perf_counter() - start
             self.syncs += 1
             self.engine_version = version
             synced = True
-        counted = sampling is None and model is None
+        counted = sampling is None and not managed
         if sampling is None:
             sampling = SamplingParams(**{**vars(self.sampling), "seed": self.seed + self.rollouts})
         start = time.perf_counter()
-        rollout = engine.generate(prompts, n or self.samples_per_prompt, sampling)
+        if self.environment is None:
+            rollout = engine.generate(prompts, n or self.samples_per_prompt, sampling)
+        else:
+            rollout, episodes = run_episodes(
+                engine, self.tokenizer, self.environment, prompts, n or self.samples_per_prompt, sampling,
+                max_turns=self.max_turns, max_episode_tokens=self.max_episode_tokens,
+            )  # fmt: skip
+            metrics.update(episodes.metrics())
         elapsed = time.perf_counter() - start
         tokens = int(rollout.response_mask.sum())
         metrics.update(
@@ -224,7 +338,12 @@ class RolloutLoop:
                 "rollout/samples": float(len(rollout)),
             }
         )
-        if synced and self.parity_every and self.syncs % self.parity_every == 0:
+        if (
+            synced
+            and self.parity_every
+            and self.syncs % self.parity_every == 0
+            and rollout.action_mask is None
+        ):
             parity = check_parity(
                 policy,
                 rollout,
@@ -246,10 +365,17 @@ class RolloutLoop:
         *,
         version: int = 0,
         sampling: SamplingParams | None = None,
+        engine: RolloutEngine | None = None,
     ) -> Experience:
         """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
-        (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given."""
-        rollout = self.generate(prompts, version=version, sampling=sampling)
+        (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given.
+        ``engine``: see :meth:`generate`."""
+        if self.environment is not None and not isinstance(reward, EpisodeReturn):
+            raise ValueError(
+                f"rollout.environment is set, so the reward must be the episodes' return: "
+                f"alignlit.rollout.EpisodeReturn (optionally with a reward of the transcript), got {type(reward).__name__}"
+            )
+        rollout = self.generate(prompts, version=version, sampling=sampling, engine=engine)
         start = time.perf_counter()
         rewards = score_rollout(reward, rollout)
         self.metrics["rollout/score_s"] = time.perf_counter() - start

@@ -21,6 +21,7 @@ from alignlit.rollout.postprocess import (
     check_sampling,
     encode_prompts,
     eos_token_ids,
+    pad_prompt_ids,
     require_pad_token,
 )
 
@@ -241,10 +242,24 @@ class VLLMEngine:
         ``sampling.seed`` or, when None, the next draw of the engine's seed stream.
         """
         prompts = check_prompts(prompts, n)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)  # (B, P)
+        return self._generate(prompts, prompt_ids, prompt_mask, n, sampling)
+
+    def generate_from_ids(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> Rollout:
+        """:meth:`generate` from prompts given as token ids, passed to vLLM as they are (nothing is
+        re-tokenised: a multi-turn episode's history); same seeding, stop strings, EOS and padding."""
+        texts, ids, mask = pad_prompt_ids(self.tokenizer, prompt_ids)  # (B, P)
+        return self._generate(check_prompts(texts, n), ids, mask, n, sampling)
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int,
+        sampling: SamplingParams,
+    ) -> Rollout:  # fmt: skip
         self.check_sampling(sampling)
         llm = self._require_llm()
         vllm = _import_vllm()
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)  # (B, P)
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**31)
         requests, params = [], []
         for i in range(len(prompts)):
@@ -335,6 +350,12 @@ class VLLMEngine:
         state = self.gather_state_dict(policy, device)  # sharded: a collective of every rank, once
         if _rank() != 0:
             return
+        self.load_state(state)
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (the checkpoint's names, e.g. :meth:`gather_state_dict`'s) into the live
+        engine and clear its prefix cache; rank 0 only. Asynchronous rollouts call it from their producer
+        thread with the snapshot of a pinned policy version."""
         llm = self._require_llm()
         if self.engine_process:
             self._reload_through_file(llm, state)
