@@ -252,13 +252,14 @@ class ValidationSampling:
         sampling = self.val_sampling or self.rollout.sampling
         sampling = dataclasses.replace(sampling, seed=self.rollout.seed + batch_idx)
         rollout = self.rollout.generate(prompts, version=self.policy_version, n=1, sampling=sampling)
-        mask = rollout.response_mask.to(self.device)
+        actions = rollout.response_mask if rollout.action_mask is None else rollout.action_mask  # episodes
+        mask = actions.to(self.device)
         ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
         ref = self.logprobs(self.reference, ids, temperature=sampling.temperature)
         record = {
             "val/reward": score_rollout(self.reward, rollout),
             "val/kl": ((rollout.logprobs.to(self.device) - ref) * mask).sum(-1).cpu(),
-            "val/length": rollout.response_lengths.float(),
+            "val/length": actions.sum(-1).float(),
         }
         if self.gold is not None:
             record["val/gold"] = score_rollout(self.gold, rollout)

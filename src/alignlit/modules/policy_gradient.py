@@ -150,7 +150,9 @@ class PolicyGradientModule(OnlineModule):
         kl = kl if kl is not None else torch.zeros_like(trajectory.old_logprobs)
         all_reduce = self.batch_all_reduce()  # None in one process
         if self.per_token:
-            token_rewards = kl_penalized_rewards(trajectory.rewards, kl, mask, kl_coef=beta)  # (N, T)
+            token_rewards = kl_penalized_rewards(
+                trajectory.rewards, kl, mask, kl_coef=beta, turn_rewards=trajectory.turn_rewards
+            )  # (N, T): an environment's turn rewards where they were given
             advantages, _ = token_advantages(
                 token_rewards, mask, estimator=self.estimator, gamma=self.hparams.gamma, all_reduce=all_reduce
             )  # (N, T)

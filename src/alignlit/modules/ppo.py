@@ -200,8 +200,13 @@ class PPOModule(OnlineModule):
         metrics.update(shaping_metrics)
         self._update_moments(shaped)
         normalized = normalize_scores(shaped, self.reward_moments, mode=hp.reward_norm, clip=hp.reward_clip)
+        turns = trajectory.turn_rewards  # an environment's per-turn rewards, on the scale of the normalised R
+        if turns is not None:
+            turns = normalize_scores(
+                turns, self.reward_moments, mode="none" if hp.reward_norm == "none" else "scale", clip=None
+            )
         trajectory.token_rewards = kl_penalized_rewards(
-            normalized.to(self.device), trajectory.kl, mask, kl_coef=self.kl_ctl.value
+            normalized.to(self.device), trajectory.kl, mask, kl_coef=self.kl_ctl.value, turn_rewards=turns
         )  # (N, T)
         advantages, trajectory.returns = token_advantages(
             trajectory.token_rewards, mask, estimator=self.estimator, values=trajectory.values,

@@ -52,6 +52,8 @@ class Trajectory:
         values: (N, T) critic values at sampling time (PPO).
         returns: (N, T) value targets (PPO).
         token_rewards: (N, T) per-token rewards (PPO: ``-β·kl_t`` plus the sequence reward at the end).
+        turn_rewards: (N, T) an environment's step rewards on the last action token of each turn
+            (multi-turn episodes; part of ``scores``, whose sum over a row they make up); None otherwise.
     """
 
     prompts: list[str]
@@ -77,6 +79,7 @@ class Trajectory:
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]

@@ -338,6 +338,23 @@ def group_advantages(
     return advantages
 
 
+def _packing(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, packed)``, both (N, K) with ``K`` the most valid tokens of a row: the positions of each
+    row's valid tokens in order (right-padded with 0) and the right-padded mask of the packed rows."""
+    counts = valid.sum(-1)  # (N,)
+    width = max(int(counts.max()), 1) if len(counts) else 1
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[:, :width]  # valid positions first
+    packed = torch.arange(width, device=valid.device) < counts[:, None]  # (N, K)
+    return torch.where(packed, order, 0), packed
+
+
+def _unpacked(
+    x: torch.Tensor, index: torch.Tensor, packed: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    out = torch.zeros(valid.shape, dtype=x.dtype, device=x.device)  # (N, T)
+    return out.scatter_add_(1, index, torch.where(packed, x, torch.zeros_like(x)))
+
+
 def token_advantages(
     token_rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -353,7 +370,10 @@ def token_advantages(
     Args:
         token_rewards: (N, T) reward of each response token (e.g. :func:`alignlit.ops.kl_penalized_rewards`:
             ``-β·kl_t``, plus the sequence reward on the last valid token); padding may hold anything.
-        mask: (N, T) 1 on response tokens; right-padded.
+        mask: (N, T) 1 on response tokens; right-padded, or with gaps (a multi-turn episode's
+            environment tokens): a row's valid tokens are then one sequence, the gaps skipped (the value
+            after a turn's last token is the value at the next turn's first), and the advantages and
+            returns at the gaps are 0.
         estimator: a name in :data:`TOKEN_ADVANTAGE_ESTIMATORS` (``"gae"``, ``"returns"``,
             ``"reinforce_pp"``, or one added with :func:`register_token_advantage`), or such a function.
         values: (N, T) critic values ``V(s_t)``, for the estimators that use a critic (``"gae"``); None
@@ -375,8 +395,16 @@ def token_advantages(
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     valid = mask.bool()  # (N, T)
-    if (valid[:, 1:] & ~valid[:, :-1]).any():
-        raise ValueError("mask must be right-padded: found a valid token after a padding position")
+    if (valid.any(-1) & ~valid[:, 0]).any() if valid.shape[-1] else False:
+        raise ValueError("mask must be right-padded: a row's first valid token is after a padding position")
+    if (valid[:, 1:] & ~valid[:, :-1]).any():  # gaps (a multi-turn episode's environment tokens)
+        index, packed = _packing(valid)  # (N, K)
+        take = lambda x: None if x is None else torch.where(packed, x.gather(1, index), 0)  # noqa: E731
+        advantages, returns = token_advantages(
+            take(token_rewards), packed, estimator=estimator, values=take(values), gamma=gamma, lam=lam,
+            all_reduce=all_reduce,
+        )  # fmt: skip
+        return _unpacked(advantages, index, packed, valid), _unpacked(returns, index, packed, valid)
     if callable(estimator):
         fn = estimator
     elif estimator in TOKEN_ADVANTAGE_ESTIMATORS:

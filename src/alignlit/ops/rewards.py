@@ -35,18 +35,29 @@ def normalize_scores(
 
 
 def kl_penalized_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *, kl_coef: float
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token rewards with a token-level KL penalty (PPO-max §5.3.2, ChatGLM eq. 4-5).
 
     ``r_t = -β·kl_t`` on every response token, and the sequence reward ``R̃`` is added at the last
     valid token: ``r_T += R̃``. Rows without a response token get no reward.
 
+    Multi-turn episodes: the mask may have gaps (environment tokens, not valid here), and
+    ``turn_rewards`` (the environment's step rewards on the last token of each turn, part of ``R̃``) are
+    added where they are, the last valid token getting the rest: ``r_t += turn_t``, ``r_T += R̃ - Σ_t
+    turn_t``, so a row's rewards still sum to ``R̃ - β·Σ kl_t``.
+
     Args:
         scores: (N,) sequence rewards ``R̃``.
         kl: (N, T) per-token KL estimates.
-        mask: (N, T) 1 on response tokens (right-padded).
+        mask: (N, T) 1 on response tokens (right-padded, or with gaps).
         kl_coef: ``β``.
+        turn_rewards: (N, T) rewards on turn-end tokens (valid tokens), or None.
 
     Returns:
         (N, T) rewards, 0 at padding.
@@ -55,9 +66,15 @@ def kl_penalized_rewards(
         raise ValueError(f"scores must have shape (N,) = ({kl.shape[0]},), got {tuple(scores.shape)}")
     weights = mask.to(kl.dtype)  # (N, T)
     rewards = -kl_coef * kl * weights
-    last = weights.sum(-1).long() - 1  # (N,)
+    positions = torch.arange(mask.shape[-1], device=mask.device)  # (T,)
+    last = torch.where(mask.bool(), positions, -1).amax(-1) if mask.shape[-1] else weights.sum(-1).long() - 1
     rows = (last >= 0).nonzero().flatten()
-    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    final = scores.to(rewards.dtype)
+    if turn_rewards is not None:
+        turns = turn_rewards.to(rewards.dtype) * weights  # (N, T)
+        rewards = rewards + turns
+        final = final - turns.sum(-1)
+    rewards[rows, last[rows]] += final[rows]
     return rewards
 
 

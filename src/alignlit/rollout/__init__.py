@@ -1,10 +1,23 @@
 """The rollout side: the engine contract, Hugging Face and vLLM engines, the rollout loop (sync,
-generate, score), rewards, parity checks, prompt filtering and ranked sampling.
+generate, score), rewards, parity checks, prompt filtering and ranked sampling; environments, tools and
+multi-turn episodes (token in / token out) and the Gymnasium adapter.
 
 ``VLLMEngine`` imports vLLM only when built, so this package imports without the vllm extra.
 """
 
 from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
+from alignlit.rollout.environment import (
+    ChatTemplateToolParser,
+    Environment,
+    JSONToolParser,
+    Step,
+    ToolCall,
+    ToolCallError,
+    ToolEnvironment,
+    ToolParser,
+)
+from alignlit.rollout.episodes import EpisodeReturn, EpisodeStats, run_episodes
+from alignlit.rollout.gym import GymEnvironment
 from alignlit.rollout.hf_engine import HFEngine
 from alignlit.rollout.loop import Experience, RolloutLoop
 from alignlit.rollout.parity import ParityError, check_parity, logprob_parity
@@ -23,8 +36,14 @@ from alignlit.rollout.sampling import Scorer, sample_ranked
 from alignlit.rollout.vllm_engine import VLLMEngine
 
 __all__ = [
+    "ChatTemplateToolParser",
+    "Environment",
+    "EpisodeReturn",
+    "EpisodeStats",
     "Experience",
+    "GymEnvironment",
     "HFEngine",
+    "JSONToolParser",
     "ParityError",
     "PreferenceRanking",
     "PromptFilter",
@@ -37,11 +56,17 @@ __all__ = [
     "RolloutScorer",
     "SamplingParams",
     "Scorer",
+    "Step",
+    "ToolCall",
+    "ToolCallError",
+    "ToolEnvironment",
+    "ToolParser",
     "VLLMEngine",
     "check_parity",
     "logprob_parity",
     "resolve_reward",
     "reward_variance",
+    "run_episodes",
     "sample_ranked",
     "score_rollout",
     "score_texts",

@@ -53,6 +53,10 @@ class Rollout:
         texts: (N,) decoded responses (special tokens and stop strings removed).
         finish_reasons: (N,) ``"stop"`` (EOS or a stop string) or ``"length"``.
         n: samples per prompt.
+        action_mask: (N, T) bool, True on the tokens the engine sampled, for episodes whose response side
+            also holds environment tokens (:mod:`alignlit.rollout.episodes`); None: every response token.
+        turn_rewards: (N, T) float, each environment step's reward on the last sampled token of the turn
+            it answered, 0 elsewhere (episodes only; None otherwise).
     """
 
     prompts: list[str]
@@ -65,6 +69,8 @@ class Rollout:
     texts: list[str]
     finish_reasons: list[str]
     n: int
+    action_mask: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -119,4 +125,10 @@ def select_groups(rollouts: list[Rollout], groups: list[torch.Tensor], pad_id: i
         response_mask=cat("response_mask", width_t, False, False),
         logprobs=cat("logprobs", width_t, 0.0, False),
         n=n,
+        action_mask=cat("action_mask", width_t, False, False)
+        if rollouts[0].action_mask is not None
+        else None,
+        turn_rewards=cat("turn_rewards", width_t, 0.0, False)
+        if rollouts[0].turn_rewards is not None
+        else None,
     )

@@ -15,6 +15,7 @@ from alignlit.rollout.postprocess import (
     check_sampling,
     encode_prompts,
     eos_token_ids,
+    pad_prompt_ids,
     require_pad_token,
 )
 
@@ -86,11 +87,25 @@ class HFEngine:
     def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> Rollout:
         """Sample ``n`` responses per prompt; see :class:`~alignlit.rollout.base.Rollout`."""
         prompts = check_prompts(prompts, n)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)  # (B, P)
+        return self._generate(prompts, prompt_ids, prompt_mask, n, sampling)
+
+    def generate_from_ids(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> Rollout:
+        """:meth:`generate` from prompts given as token ids, used as they are (nothing is re-tokenised: a
+        multi-turn episode's history); same seeding, stop strings, EOS and padding."""
+        texts, ids, mask = pad_prompt_ids(self.tokenizer, prompt_ids)  # (B, P)
+        return self._generate(check_prompts(texts, n), ids, mask, n, sampling)
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int,
+        sampling: SamplingParams,
+    ) -> Rollout:  # fmt: skip
         check_sampling(sampling)
         if self.model is None:
             raise RuntimeError("HFEngine has no model: pass model= or call sync(policy) before generate")
         model = self.model
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)  # (B, P)
         eos_ids = eos_token_ids(self.tokenizer, getattr(model, "generation_config", None))
         chunk = self.micro_batch_size or len(prompts)
         device = next(model.parameters()).device

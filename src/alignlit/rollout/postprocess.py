@@ -112,6 +112,32 @@ def encode_prompts(
     return prompt_ids, prompt_mask
 
 
+def pad_prompt_ids(
+    tokenizer, prompt_ids: Sequence[Sequence[int]]
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Prompts given as token ids (e.g. a multi-turn episode's history, never re-tokenised), left-padded
+    as :func:`encode_prompts` pads encoded strings.
+
+    Returns:
+        ``(texts, prompt_ids, prompt_mask)``: the decoded prompts (special tokens kept; for
+        :attr:`Rollout.prompts`), (B, P) long and (B, P) bool.
+    """
+    pad_id = require_pad_token(tokenizer)
+    if isinstance(prompt_ids, torch.Tensor) or not len(prompt_ids):
+        raise ValueError("prompt_ids must be a non-empty sequence of token-id lists")
+    rows = [[int(t) for t in ids] for ids in prompt_ids]
+    for i, ids in enumerate(rows):
+        if not ids:
+            raise ValueError(f"prompt_ids[{i}] is empty")
+    width = max(len(ids) for ids in rows)
+    ids_t = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, P)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)  # (B, P)
+    for i, ids in enumerate(rows):
+        ids_t[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[i, width - len(ids) :] = True
+    return tokenizer.batch_decode(rows, skip_special_tokens=False), ids_t, mask
+
+
 def eos_token_ids(tokenizer, model_config=None) -> set[int]:
     """EOS ids from the tokenizer and, when given, a model/generation config (an int or a list)."""
     ids: set[int] = set()
