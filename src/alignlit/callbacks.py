@@ -137,12 +137,26 @@ class CheckpointStageStamp(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.resumed_step is None or trainer.interrupted or trainer.global_step > self.resumed_step:
             return
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            why, fix = f"max_steps={trainer.max_steps} is reached", "raise --trainer.max_steps"
+        elif (
+            trainer.max_epochs is not None
+            and trainer.max_epochs >= 0
+            and trainer.current_epoch >= trainer.max_epochs
+        ):
+            why = f"max_epochs={trainer.max_epochs} is reached: the checkpoint finished the last epoch"
+            fix = (
+                "raise --trainer.max_epochs (a larger limit_train_batches does not reopen an epoch the checkpoint "
+                "finished)"
+            )
+        else:
+            why, fix = (
+                "the run's length is reached",
+                "lengthen the run (--trainer.max_steps or --trainer.max_epochs)",
+            )
         raise CheckpointError(
             f"resumed from {trainer.ckpt_path} at global step {self.resumed_step}, where the run already ends "
-            f"(max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}, limit_train_batches="
-            f"{trainer.limit_train_batches}): 0 steps were trained and nothing was exported. To train further, "
-            "raise the run's length (--trainer.max_steps, --trainer.max_epochs or --trainer.limit_train_batches) "
-            "beyond the checkpoint's"
+            f"({why}): 0 steps were trained and nothing was exported. To train further, {fix}"
         )
 
     # ---------------------------------------------------------------- Ctrl-C

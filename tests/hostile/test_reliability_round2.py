@@ -219,6 +219,31 @@ def test_a_resume_that_trains_zero_steps_fails_and_exports_nothing(trained, worl
     assert _stamp(tmp / "export") == before
 
 
+def test_a_resume_past_a_finished_epoch_says_to_raise_max_epochs(tmp_path, world, monkeypatch):
+    """The online configs' shape (max_epochs 1, limit_train_batches N): a checkpoint written at the end of
+    the epoch resumes in epoch 1, so a larger limit_train_batches trains nothing. Before: exit 0 and the
+    old weights re-exported; now the error says which length to raise."""
+    monkeypatch.chdir(tmp_path)
+    epoch = [
+        "--trainer.max_steps=-1",
+        "--trainer.max_epochs=1",
+        "--trainer.val_check_interval=1.0",
+        "--trainer.check_val_every_n_epoch=1",
+    ]
+    main([*_fit(tmp_path, world), *epoch, "--trainer.limit_train_batches=2"])
+    before = _stamp(tmp_path / "export")
+    with pytest.raises(CheckpointError, match=r"max_epochs=1 is reached: the checkpoint finished the last epoch\): 0 steps were trained .*raise "
+                       r"--trainer\.max_epochs \(a larger limit_train_batches does not reopen"):  # fmt: skip
+        main(
+            [
+                *_fit(tmp_path, world, f"--ckpt_path={tmp_path}/ckpt/last.ckpt"),
+                *epoch,
+                "--trainer.limit_train_batches=3",
+            ]
+        )
+    assert _stamp(tmp_path / "export") == before
+
+
 class InterruptOnce(Callback):
     """Raises KeyboardInterrupt (what Ctrl-C raises) after ``step`` optimizer steps, once per ``flag`` file."""
 
