@@ -634,12 +634,13 @@ CONFIGS = [
     (ROOT / "configs/quickstart/rloo.yaml", []),
     (ROOT / "configs/quickstart/rloo.yaml", ["--model.init_args.advantage=reinforce_pp"]),
     (ROOT / "configs/quickstart/grpo.yaml", DAPO),
+    (ROOT / "configs/quickstart/grpo-async.yaml", []),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("config", "overrides"), CONFIGS, ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo"]
+    ("config", "overrides"), CONFIGS, ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo", "grpo-async"]
 )
 def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
     """Each shipped config (and the README's REINFORCE++ and DAPO overrides) runs two rollouts on the tiny
@@ -675,6 +676,8 @@ def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_d
     assert [h["rollout"] for h in history if "val/reward" in h] == [0.0, 2.0]  # before training, after 2
     last = torch.load(tmp_path / f"out/quickstart/checkpoints/{config.stem}/last.ckpt", weights_only=True)
     assert last["policy_gradient_state"]["rollout"]["rollouts"] == 2
+    if "async" in config.name:  # every sample one version older than the policy after the first step
+        assert [h["async/staleness_max"] for h in history if "reward/raw" in h] == [0.0, 1.0]
     if overrides == DAPO:
         assert all(
             "dynamic/informative_frac" in h and "dynamic/tries" in h for h in history if "reward/raw" in h

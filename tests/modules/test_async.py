@@ -6,6 +6,10 @@ steps are the loader's, and a run resumed from any checkpoint equals the uninter
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import sys
+import time
 
 import lightning as L
 import pytest
@@ -179,3 +183,60 @@ def test_resume_is_exact(stage, tiny_policy_dir, prompts_file, tmp_path):
     assert same_weights(straight.policy, resumed.policy)
     assert stable(resumed.history) == stable(straight.history)
     assert resumed.policy_version == straight.policy_version
+
+
+def alignlit_fit(tmp_path, policy_dir, prompts_file, *extra) -> list[str]:
+    """The shipped asynchronous GRPO config on the tiny model: 6 rollouts of 2 prompts, a checkpoint after
+    each (the config's own callback), the reward by dotted path, no ptx, no validation."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    return [
+        sys.executable, "-m", "alignlit.cli", "fit", "--config", str(root / "configs/quickstart/grpo-async.yaml"),
+        f"--model.init_args.policy={policy_dir}", "--model.init_args.reward=tests.modules.test_async.char_reward",
+        "--model.init_args.gold=null", "--model.init_args.ptx=null", "--model.init_args.export_dir=export",
+        "--model.init_args.rollout.sampling.max_new_tokens=5", "--model.init_args.rollout.samples_per_prompt=2",
+        "--model.init_args.minibatches.size=4", "--model.init_args.optim.lr=1e-3",
+        f"--data.init_args.train_file={prompts_file}", "--data.init_args.val_file=null",
+        "--data.init_args.batch_size=2", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_9_at_a_random_point_and_resume_is_exact(tiny_policy_dir, prompts_file, tmp_path):
+    """An uninterrupted run against a run SIGKILLed (with its worker) at a random moment after its first
+    checkpoint (generating ahead, updating, or writing a checkpoint), then resumed from its last.ckpt with
+    the same command: the exports are identical, bit for bit."""
+    import random
+    import signal
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    subprocess.run(alignlit_fit(straight, tiny_policy_dir, prompts_file), cwd=straight, env=env, check=True,
+                   capture_output=True, timeout=900)  # fmt: skip
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    last = killed / "out/quickstart/checkpoints/grpo-async/last.ckpt"
+    delay = random.Random(int(time.time())).uniform(0.0, 3.0)
+    process = subprocess.Popen(alignlit_fit(killed, tiny_policy_dir, prompts_file), cwd=killed, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    deadline = time.time() + 600
+    while not last.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(delay)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)  # the trainer and its rollout worker
+    process.wait(timeout=60)
+    assert last.exists(), "the run ended before its first checkpoint"
+    done = torch.load(last, weights_only=True)["policy_gradient_state"]["rollout"]["rollouts"]
+    assert 1 <= done < 6, f"killed after {done} of 6 rollouts"
+    subprocess.run(alignlit_fit(killed, tiny_policy_dir, prompts_file, f"--ckpt_path={last}"), cwd=killed,
+                   env=env, check=True, capture_output=True, timeout=900)  # fmt: skip
+
+    from safetensors.torch import load_file
+
+    a = load_file(straight / "export" / "model.safetensors")
+    b = load_file(killed / "export" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"killed after +{delay:.2f} s"

@@ -197,3 +197,32 @@ def test_a_dead_worker_is_named(tokenizer):
         worker.load_weights(0, {"w": torch.zeros(1)})
     worker.close()
     assert threading.active_count() >= 1
+
+
+def test_a_lora_policy_reaches_the_worker_merged(tokenizer):
+    """A LoRA policy's snapshot is its merged weights under the base model's names; after one change of the
+    adapter (what an optimiser step does) the worker's rollouts change, and the sync is verified."""
+    from alignlit.models.lora import LoRA, apply_lora
+    from alignlit.rollout import RolloutLoop
+
+    policy = apply_lora(make_tiny_llama(tokenizer, seed=0, **TINY), LoRA(rank=4))
+    loop = RolloutLoop(sampling=SamplingParams(max_new_tokens=6), samples_per_prompt=2, max_staleness=1)
+    loop.setup(policy, tokenizer)
+    worker = HFWorkerEngine(policy, tokenizer)
+    try:
+        before = loop.snapshot(0)
+        assert not any("lora_" in name for name in before.state)
+        worker.load_weights(0, before.state)
+        sampling = SamplingParams(max_new_tokens=6, seed=5)
+        first = worker.generate(PROMPTS, 2, sampling)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.5 * torch.randn_like(p))
+        after = loop.snapshot(1)
+        assert not all(torch.equal(before.state[k], after.state[k]) for k in before.state)
+        worker.load_weights(1, after.state)
+        second = worker.generate(PROMPTS, 2, sampling)
+        assert not torch.equal(first.logprobs, second.logprobs)
+    finally:
+        worker.close()

@@ -18,11 +18,9 @@ out and keep every piece of online state for an exact resume.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -32,7 +30,7 @@ from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite, load_policy_and_reference
-from alignlit.modules.collect import TrajectoryBuilder, experience_state, load_experience
+from alignlit.modules.collect import TrajectoryBuilder
 from alignlit.modules.online_parts import (
     DataParallelStats,
     KLPenalty,
@@ -42,6 +40,7 @@ from alignlit.modules.online_parts import (
     TrainedModel,
     ValidationSampling,
 )
+from alignlit.modules.online_state import OnlineCheckpoints
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.ops import DynamicSampling, Overlong
 from alignlit.rollout.base import SamplingParams
@@ -52,7 +51,7 @@ from alignlit.rollout.reward import Reward, RewardFn, resolve_reward
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
-class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, AlignModule):
+class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, DataParallelStats, AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -385,84 +384,6 @@ class OnlineModule(TrajectoryBuilder, ValidationSampling, DataParallelStats, Ali
         loss = self.ptx_mixer.add(loss, metrics, self.policy, self.device)
         check_finite(loss, what=what, step=self.global_step, metrics=metrics)
         return loss
-
-    # ------------------------------------------------------------------ checkpoints and curves
-    @property
-    def state_key(self) -> str:
-        return f"{self.stage}_state"
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Save the online state; leave the frozen models out (they reload from disk)."""
-        prefixes = tuple(self.frozen_prefixes())
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith(prefixes)]:
-            del state[key]
-        pipeline = self.rollout.pipeline
-        ahead = pipeline.drain() if pipeline is not None else {}  # first: the producer's state settles
-        checkpoint[self.state_key] = {
-            "ahead": {j: experience_state(result) for j, result in ahead.items()},
-            "ahead_versions": {j: pipeline.submitted[j] for j in ahead} if ahead else {},
-            "rollout": self.rollout.state_dict(),
-            "policy_version": self.policy_version,
-            "minibatch_generator": self.minibatch_generator.get_state(),
-            "refill_generator": self.refill_generator.get_state(),
-            "kl_ctl": self.kl_ctl.state_dict() if self.kl_ctl is not None else None,
-            "kept_prompts": self.kept_prompts,
-            "history": list(self.history),
-            "skipped_rollouts": self.skipped_rollouts,
-            "trained_rollouts": self.trained_rollouts,
-            "ptx_loader": self.ptx_mixer.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            **self.online_state_dict(),
-        }
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get(self.state_key)
-        if state is None:
-            raise KeyError(
-                f"checkpoint has no {self.state_key!r}: it was not written by {type(self).__name__}"
-            )
-        for prefix in self.frozen_prefixes():
-            module = getattr(self, prefix.rstrip("."))
-            checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
-        self.rollout.load_state_dict(state["rollout"])
-        self.policy_version = int(state["policy_version"])
-        self.minibatch_generator.set_state(state["minibatch_generator"])
-        self.refill_generator.set_state(state["refill_generator"])
-        if self.kl_ctl is not None:
-            self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.kept_prompts = state["kept_prompts"]
-        self.restored_batches = (
-            {int(j): load_experience(result) for j, result in state["ahead"].items()},
-            {int(j): int(v) for j, v in state["ahead_versions"].items()},
-        )
-        self.history = list(state["history"])
-        self.skipped_rollouts, self.trained_rollouts = (
-            int(state["skipped_rollouts"]),
-            int(state["trained_rollouts"]),
-        )
-        self.ptx_mixer.load_state_dict(state["ptx_loader"])
-        torch.set_rng_state(state["torch_rng"])
-        self.load_online_state_dict(state)
-
-    def write_curves(self) -> Path | None:
-        """Plot the monitoring history (PNG) and write it as JSON next to it, on rank 0; None without
-        history and on the other ranks. Every rank calls it (``trainer.log_dir`` is a collective)."""
-        out = self.curves_file
-        if out is None:
-            root = self.trainer.log_dir or self.trainer.default_root_dir
-            out = str(Path(root) / f"{self.stage}_curves.png")
-        if not self.history or self.global_rank != 0:
-            return None
-        from alignlit.eval.plots import plot_curves
-
-        path = plot_curves(
-            {self.stage: self.history}, out, panels=self.curve_panels, title=f"{self.stage} monitoring"
-        )
-        path.with_suffix(".json").write_text(json.dumps(self.history, indent=1) + "\n")
-        print(f"alignlit: {self.stage} curves written to {path}")
-        return path
 
     def teardown(self, stage: str) -> None:
         self.rollout.stop_pipeline()
