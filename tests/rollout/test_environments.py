@@ -129,7 +129,6 @@ def test_tool_episode_through_the_runner(tokenizer):
 def test_gymnasium_frozen_lake_runs_unchanged(tokenizer):
     """Gymnasium's own FrozenLake-v1 (deterministic 4x4): right, right, down, down, down, right reaches the
     goal (reward 1, done) in 6 turns; an unparseable turn is answered with the valid actions, no step."""
-    pytest.importorskip("gymnasium")
     names = ["left", "down", "right", "up"]
     env = GymEnvironment("FrozenLake-v1", env_kwargs={"is_slippery": False}, action_names=names)
     moves = ["right", "right", "jump", "down", "down", "down", "right"]
