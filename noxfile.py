@@ -104,6 +104,8 @@ def vllm(session: nox.Session) -> None:
 # configs/quickstart/ whose export is out/quickstart/<config name> fits this slot (online-dpo,
 # online-rrhf, grpo, rloo).
 QUICKSTART_ONLINE = ("online-dpo", "online DPO")
+# The RLVR stage: GRPO against the rule-based answer check (alignlit.rewards.SimVerifier), no reward model.
+QUICKSTART_VERIFIABLE = ("grpo-verifiable", "GRPO (verifier)")
 
 # (title, command, what it writes): the README's quickstart, run in order by `nox -s quickstart`.
 QUICKSTART: list[tuple[str, list[str], list[str]]] = [
@@ -168,6 +170,11 @@ QUICKSTART: list[tuple[str, list[str], list[str]]] = [
         [f"out/quickstart/{QUICKSTART_ONLINE[0]}/", f"out/quickstart/logs/{QUICKSTART_ONLINE[0]}/"],
     ),
     (
+        "RLVR: GRPO against the answer verifier",
+        ["alignlit", "fit", "--config", f"configs/quickstart/{QUICKSTART_VERIFIABLE[0]}.yaml"],
+        [f"out/quickstart/{QUICKSTART_VERIFIABLE[0]}/", f"out/quickstart/logs/{QUICKSTART_VERIFIABLE[0]}/"],
+    ),
+    (
         "held-out gold reward of every policy, and the gold-vs-KL plot",
         [
             "alignlit",
@@ -179,11 +186,13 @@ QUICKSTART: list[tuple[str, list[str], list[str]]] = [
             "out/quickstart/dpo",
             "out/quickstart/ppo",
             f"out/quickstart/{QUICKSTART_ONLINE[0]}",
+            f"out/quickstart/{QUICKSTART_VERIFIABLE[0]}",
             "--name",
             "SFT",
             "DPO",
             "PPO",
             QUICKSTART_ONLINE[1],
+            QUICKSTART_VERIFIABLE[1],
             "--reference",
             "out/quickstart/sft",
             "--best-of",
@@ -208,7 +217,8 @@ QUICKSTART: list[tuple[str, list[str], list[str]]] = [
 @nox.session
 def quickstart(session: nox.Session) -> None:
     """The README pipeline on the simulated task (~10 min on 2 idle CPU cores): data, SFT, reward model,
-    samples, DPO, PPO, an online stage, then the gold-reward table and the gold-vs-KL plot."""
+    samples, DPO, PPO, an online stage, GRPO against the answer verifier, then the gold-reward table and
+    the gold-vs-KL plot."""
     install(session)
     times = []
     for i, (title, cmd, writes) in enumerate(QUICKSTART, 1):

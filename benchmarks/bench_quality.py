@@ -7,6 +7,12 @@ SFT term), cDPO, IPO, SimPO, RRHF; online iterative DPO and online RRHF; PPO-max
 RLOO. Each trained row is one config, ``<configs>/<config>.yaml``; a method whose config does not exist
 is listed with "config missing", never left out.
 
+``--suite verifiable`` is the RLVR table (README "Verifiable rewards (RLVR)"): SFT, its gold-selected
+best-of-4 and best-of-16, and GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, DAPO and PPO trained against the
+rule-based answer check (``configs/<scale>/*-verifiable.yaml``); its shared stages are data and SFT only,
+and its table adds the share of responses the answer check accepts. It writes ``verifiable.{md,json}``,
+``verifiable_selection.md`` and ``verifiable.png``.
+
 Protocol:
 
 1. Shared stages, once, with the configs' own seeds: ``alignlit sim make-data``, SFT (``sft.yaml``), the
@@ -14,7 +20,8 @@ Protocol:
    reward model (``alignlit sample --pairs --rft``): the data of the offline methods.
 2. Selection: every setting of a method's grid (``GRIDS``; a few values of its main hyperparameter) is
    trained with seed 0 and evaluated on ``--val-prompts`` prompts of ``prompts_val`` (T = 1, sampling
-   seed 0); the setting with the highest mean gold reward is kept.
+   seed 0); the setting with the highest mean gold reward is kept (with ``--max-val-kl``: among the
+   settings whose validation KL to SFT is at most that).
 3. Report: the kept setting is trained with every seed of ``--seeds`` (seed 0 is the selection run) and
    evaluated on ``--test-prompts`` prompts of ``prompts_test`` with sampling seed = the seed; SFT and
    best-of-n are evaluated with the same sampling seeds. Columns: gold reward (mean ± std over seeds),
@@ -31,6 +38,7 @@ continues where it stopped. The planned cells and an ETA are printed first, and 
     python benchmarks/bench_quality.py --plan                 # only print the plan and the ETA
     python benchmarks/bench_quality.py --methods sft dpo ppo-max --seeds 0
     python benchmarks/bench_quality.py --tiny                 # end-to-end check at toy size (minutes)
+    python benchmarks/bench_quality.py --suite verifiable --configs configs/quickstart --max-val-kl 1.5
 """
 
 from __future__ import annotations
@@ -87,7 +95,42 @@ METHODS: list[Method] = [
     Method("ppo-vanilla", "vanilla PPO", "fit", "ppo-vanilla"),
     Method("grpo", "GRPO", "fit", "grpo"),
     Method("rloo", "RLOO", "fit", "rloo"),
+    # RLVR: the same policy-gradient stages against a rule-based answer check (alignlit.rewards.SimVerifier)
+    Method("grpo-verifiable", "GRPO, verifier", "fit", "grpo-verifiable"),
+    Method("dr-grpo-verifiable", "Dr. GRPO, verifier", "fit", "dr-grpo-verifiable"),
+    Method("rloo-verifiable", "RLOO, verifier", "fit", "rloo-verifiable"),
+    Method("reinforce-pp-verifiable", "REINFORCE++-baseline, verifier", "fit", "reinforce-pp-verifiable"),
+    Method("dapo-verifiable", "DAPO, verifier", "fit", "dapo-verifiable"),
+    Method("ppo-verifiable", "PPO, verifier", "fit", "ppo-verifiable"),
 ]
+
+VERIFIABLE = [m.name for m in METHODS if m.name.endswith("-verifiable")]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A table: its rows (``methods``), the shared stages they start from, and the result file names
+    ``<results>/<name>.{md,json}``, ``<name>_selection.md`` and ``plot``."""
+
+    name: str
+    methods: tuple[str, ...]
+    shared: tuple[str, ...]
+    plot: str
+
+
+SUITES = {
+    "quality": Suite(
+        "quality",
+        tuple(m.name for m in METHODS if m.name not in VERIFIABLE),
+        ("make-data", "sft", "reward", "samples"),
+        "quality_frontier.png",
+    ),
+    # RLVR (README "Verifiable rewards"): no reward model, so the shared stages are data and SFT; the
+    # gold-selected best-of-n rows are the references the target is stated against
+    "verifiable": Suite(
+        "verifiable", ("sft", "bo4-gold", "bo16-gold", *VERIFIABLE), ("make-data", "sft"), "verifiable.png"
+    ),
+}
 
 LR = ("optim.lr", (0.5, 1.0, 2.0))
 """A learning-rate grid: the config's own ``optim.lr`` times each factor."""
@@ -320,6 +363,7 @@ class Bench:
         self.failed: dict[str, str] = {}
         self.shared_stamp: float | None = None  # when the shared stages last changed
         self.scale = 0.1 if args.tiny else (0.35 if self.configs.name == "quickstart" else 1.0)
+        self.suite = SUITES[args.suite]
 
     # shared stages: data, SFT, reward model, ranked samples
 
@@ -363,6 +407,7 @@ class Bench:
                 out / "samples" / "rft.jsonl",
             ),
         ]
+        steps = [step for step in steps if step[0] in self.suite.shared]
         self.root.mkdir(parents=True, exist_ok=True)
         redo = False  # a stage that ran makes every later one run again (they start from its result)
         for name, argv, result in steps:
@@ -408,9 +453,8 @@ class Bench:
         exports are links into the shared root; the run's own outputs stay in it."""
         (path / self.prefix).mkdir(parents=True, exist_ok=True)
         links = {path / "data": self.root / "data"}
-        links.update(
-            {path / self.prefix / d: self.root / self.prefix / d for d in ("sft", "reward", "samples")}
-        )
+        stages = [d for d in ("sft", "reward", "samples") if d in self.suite.shared]
+        links.update({path / self.prefix / d: self.root / self.prefix / d for d in stages})
         for link, target in links.items():
             if not link.is_symlink():
                 link.symlink_to(target, target_is_directory=True)
@@ -502,13 +546,12 @@ class Bench:
     # the whole benchmark
 
     def chosen_setting(self, method: Method) -> tuple[dict, list[dict]]:
-        """The setting with the best mean validation gold, and every validation record."""
+        """The setting :func:`choose` picks from the validation records, and every validation record."""
         records = []
         for s in settings_of(method, self.configs)[: self.args.grid_limit]:
             export, run = self.fit(method, s, 0)
             records.append(self.evaluate(method, s, 0, "val", export, run["stamp"]))
-        best = max(records, key=lambda r: r["gold"])
-        return best["setting"], records
+        return choose(records, self.args.max_val_kl)["setting"], records
 
     def print_eta(self, cells: list[Cell], done: int) -> None:
         left = sum(estimate(c, self.measured, self.scale) for c in cells[done:])
@@ -523,6 +566,23 @@ def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
+def choose(records: list[dict], max_kl: float | None = None) -> dict:
+    """The validation record with the highest mean gold; with ``max_kl``, among the records whose KL to
+    SFT is at most ``max_kl`` (when none is, the one with the lowest KL)."""
+    if max_kl is not None:
+        within = [r for r in records if r["kl_to_reference"] is not None and r["kl_to_reference"] <= max_kl]
+        if not within:
+            return min(records, key=lambda r: r["kl_to_reference"])
+        records = within
+    return max(records, key=lambda r: r["gold"])
+
+
+def pass_rate(prompt_gold: list[float]) -> float:
+    """Share of the (one-sample) responses with gold reward 1: the responses the strict answer check
+    (``alignlit.rewards.SimVerifier``) accepts, since it accepts exactly those."""
+    return sum(g >= 1.0 - 1e-9 for g in prompt_gold) / len(prompt_gold)
+
+
 def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     """Mean and std over seeds of one method's test records, with the win rate against SFT."""
     from alignlit.eval.gold import win_rate
@@ -531,6 +591,7 @@ def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     out = {"seeds": [r["seed"] for r in rows]}
     for key, values in (
         ("gold", [r["gold"] for r in rows]),
+        ("pass_rate", [pass_rate(r["prompt_gold"]) for r in rows]),
         ("win_vs_sft", wins),
         ("kl_to_sft", [r["kl_to_reference"] for r in rows]),
         ("length", [r["length"] for r in rows]),
@@ -546,33 +607,42 @@ def pm(mean, std, digits=3) -> str:
     return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
-def format_table(table: list[dict]) -> str:
+def format_table(table: list[dict], with_pass_rate: bool = False) -> str:
+    """The markdown table; ``with_pass_rate``: a column with the share of responses the strict answer
+    check accepts (:func:`pass_rate`)."""
     lines = [
-        "| method | setting | gold reward | win rate vs SFT | KL to SFT | length (tokens) "
-        "| wall time (s) | seeds |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| method | setting | gold reward | "
+        + ("answer check pass rate | " if with_pass_rate else "")
+        + "win rate vs SFT | KL to SFT | length (tokens) | wall time (s) | seeds |",
+        "|---|---|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|---:|---:|---:|",
     ]
     for r in table:
         if r.get("status"):
-            lines.append(f"| {r['label']} | {r['status']} |  |  |  |  |  |  |")
+            lines.append(
+                f"| {r['label']} | {r['status']} |  |  |  |  |  |  |" + ("  |" if with_pass_rate else "")
+            )
             continue
         lines.append(
             f"| {r['label']} | {r['setting']} | {pm(r['gold'], r['gold_std'])} | "
-            f"{pm(r['win_vs_sft'], r['win_vs_sft_std'])} | {pm(r['kl_to_sft'], r['kl_to_sft_std'], 2)} | "
+            + (f"{pm(r['pass_rate'], r['pass_rate_std'])} | " if with_pass_rate else "")
+            + f"{pm(r['win_vs_sft'], r['win_vs_sft_std'])} | {pm(r['kl_to_sft'], r['kl_to_sft_std'], 2)} | "
             f"{pm(r['length'], r['length_std'], 1)} | {pm(r['wall_s'], r['wall_s_std'], 0)} | {len(r['seeds'])} |"
         )
     return "\n".join(lines)
 
 
-def format_selection(records: list[dict]) -> str:
+def format_selection(records: list[dict], with_pass_rate: bool = False) -> str:
     lines = [
-        "| method | setting | val gold | ± s.e. | KL to SFT | length | chosen |",
-        "|---|---|---:|---:|---:|---:|:-:|",
+        "| method | setting | val gold | ± s.e. | "
+        + ("pass rate | " if with_pass_rate else "")
+        + "KL to SFT | length | chosen |",
+        "|---|---|---:|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|:-:|",
     ]
     for r in records:
         kl = "" if r["kl_to_reference"] is None else f"{r['kl_to_reference']:.2f}"
+        passed = f"{pass_rate(r['prompt_gold']):.3f} | " if with_pass_rate else ""
         lines.append(
-            f"| {r['method']} | {slug(r['setting'])} | {r['gold']:.3f} | {r['gold_stderr']:.3f} | {kl} | "
+            f"| {r['method']} | {slug(r['setting'])} | {r['gold']:.3f} | {r['gold_stderr']:.3f} | {passed}{kl} | "
             f"{r['length']:.1f} | {'✓' if r.get('chosen') else ''} |"
         )
     return "\n".join(lines)
@@ -607,7 +677,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs", default=None, help="config directory (default: configs/paper; --tiny: quickstart)"
     )
     p.add_argument(
-        "--methods", nargs="*", default=[m.name for m in METHODS], choices=[m.name for m in METHODS]
+        "--suite",
+        default="quality",
+        choices=sorted(SUITES),
+        help="which table: 'quality' (every method, reward model) or 'verifiable' (RLVR against the answer "
+        "check); its rows, shared stages and result file names",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="*",
+        default=None,
+        choices=[m.name for m in METHODS],
+        help="rows to run (default: the suite's)",
     )
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="seeds of the reported runs")
     p.add_argument("--grid-limit", type=int, default=None, help="use only the first N settings of each grid")
@@ -617,13 +698,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="no selection: every method runs its config's own setting (reported as 'default')",
     )
     p.add_argument("--val-prompts", type=int, default=200, help="prompts_val prompts for the selection")
+    p.add_argument(
+        "--max-val-kl",
+        type=float,
+        default=None,
+        help="choose among the settings whose validation KL to SFT is at most this (default: no limit)",
+    )
     p.add_argument("--test-prompts", type=int, default=500, help="prompts_test prompts for the report")
     p.add_argument(
         "--sample-prompts", type=int, default=None, help="training prompts sampled for the offline data"
     )
     p.add_argument("--max-new-tokens", type=int, default=24, help="response token limit (default: 24)")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--work", default=None, help="runs and cell results (default: out/bench_quality[_tiny])")
+    p.add_argument("--work", default=None, help="runs and cell results (default: out/bench_<suite>[_tiny])")
     p.add_argument(
         "--results", default=None, help="table, JSON, plot (default: benchmarks/results; --tiny: WORK)"
     )
@@ -638,11 +725,13 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench_quality: --seeds must include 0 (the seed of the selection runs)")
     if args.tiny:
         args.configs = args.configs or str(ROOT / "configs" / "quickstart")
-        args.work = args.work or "out/bench_quality_tiny"
+        args.work = args.work or f"out/bench_{args.suite}_tiny"
         args.val_prompts, args.test_prompts = min(args.val_prompts, 16), min(args.test_prompts, 16)
         args.sample_prompts = args.sample_prompts or 48
     args.configs = args.configs or str(ROOT / "configs" / "paper")
-    args.work = args.work or "out/bench_quality"
+    args.work = args.work or f"out/bench_{args.suite}"
+    suite = SUITES[args.suite]
+    args.methods = suite.methods if args.methods is None else args.methods
     args.results = Path(
         args.results or (Path(args.work) / "results" if args.tiny else ROOT / "benchmarks" / "results")
     )
@@ -652,9 +741,7 @@ def main(argv: list[str] | None = None) -> dict:
     bench = Bench(args, methods)
     the_plan = plan(methods, bench.configs, args.seeds, args.grid_limit)
     cells: list[Cell] = the_plan["cells"]
-    shared_left = [
-        k for k in ("make-data", "sft", "reward", "samples") if k not in read_json(bench.work / "shared.json")
-    ]
+    shared_left = [k for k in suite.shared if k not in read_json(bench.work / "shared.json")]
     shared_s = sum(ESTIMATE_S[k] * bench.scale for k in shared_left)
     print(f"bench_quality: configs {bench.configs}, work {bench.work}, results {args.results}")
     print(f"bench_quality: shared stages to run: {', '.join(shared_left) or 'none'} (~{fmt_s(shared_s)})")
@@ -715,11 +802,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = args.results
     results.mkdir(parents=True, exist_ok=True)
-    md = format_table(table)
+    md = format_table(table, with_pass_rate=suite.name == "verifiable")
     chosen = (
         "every method at its config's own setting (--no-grid: no selection run)"
         if args.no_grid
         else f"settings chosen on {args.val_prompts} prompts_val prompts"
+        + ("" if args.max_val_kl is None else f" among those with validation KL to SFT <= {args.max_val_kl}")
     )
     command = " ".join(["python benchmarks/bench_quality.py", *(sys.argv[1:] if argv is None else argv)])
     note = (
@@ -727,19 +815,23 @@ def main(argv: list[str] | None = None) -> dict:
         f"configs {Path(args.configs).name}; {time.strftime('%Y-%m-%d')}; `{command}`"
     )
     print("\n" + md + note)
-    (results / "quality.md").write_text(md + "\n" + note + "\n")
-    (results / "quality_selection.md").write_text(format_selection(selection) + "\n")
+    (results / f"{suite.name}.md").write_text(md + "\n" + note + "\n")
+    (results / f"{suite.name}_selection.md").write_text(
+        format_selection(selection, with_pass_rate=suite.name == "verifiable") + "\n"
+    )
     slim_selection = [{k: v for k, v in r.items() if k != "prompt_gold"} for r in selection]
-    (results / "quality.json").write_text(
+    (results / f"{suite.name}.json").write_text(
         json.dumps(
             {
                 "setup": {
+                    "suite": suite.name,
                     "configs": Path(args.configs).name,
                     "seeds": args.seeds,
                     "val_prompts": args.val_prompts,
                     "test_prompts": args.test_prompts,
                     "tiny": args.tiny,
                     "selection": not args.no_grid,
+                    "max_val_kl": args.max_val_kl,
                     "date": time.strftime("%Y-%m-%d"),
                     "shared_stage_s": shared_times,
                 },
@@ -757,11 +849,11 @@ def main(argv: list[str] | None = None) -> dict:
     if points:
         plot_frontier(
             points,
-            results / "quality_frontier.png",
+            results / suite.plot,
             title=f"gold vs KL to SFT ({args.test_prompts} test prompts, mean ± std over {len(args.seeds)} seeds)",
             baseline="SFT" if any(p["name"] == "SFT" for p in points) else None,
         )
-    print(f"bench_quality: wrote {results}/quality.{{md,json}}, quality_selection.md, quality_frontier.png")
+    print(f"bench_quality: wrote {results}/{suite.name}.{{md,json}}, {suite.name}_selection.md, {suite.plot}")
     if bench.failed:
         raise SystemExit(f"bench_quality: {len(bench.failed)} method(s) failed: {', '.join(bench.failed)}")
     return {"table": table, "selection": slim_selection}

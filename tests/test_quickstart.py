@@ -258,6 +258,57 @@ def test_aggregate_mean_std_and_win_rate_per_seed():
     assert got["kl_to_sft"] == 1.5 and got["seeds"] == [0, 1]
 
 
+def test_choose_keeps_the_best_validation_gold_within_the_kl_limit():
+    """A (gold 0.90, KL 1.7), B (0.86, 1.2), C (0.80, 0.9): no limit -> A; KL <= 1.5 -> B (A is over);
+    KL <= 0.5 -> none is within, so the lowest KL, C."""
+    records = [
+        {"setting": "A", "gold": 0.90, "kl_to_reference": 1.7},
+        {"setting": "B", "gold": 0.86, "kl_to_reference": 1.2},
+        {"setting": "C", "gold": 0.80, "kl_to_reference": 0.9},
+    ]
+    assert bench_quality.choose(records)["setting"] == "A"
+    assert bench_quality.choose(records, 1.5)["setting"] == "B"
+    assert bench_quality.choose(records, 0.5)["setting"] == "C"
+
+
+def test_pass_rate_counts_gold_one_and_the_verifiable_table_shows_it():
+    """Gold 1, 0.9, 1, -0.1: the strict answer check accepts 2 of 4 -> 0.5."""
+    assert bench_quality.pass_rate([1.0, 0.9, 1.0, -0.1]) == 0.5
+    rows = [
+        {"seed": s, "gold": g, "prompt_gold": pg, "kl_to_reference": 1.0, "length": 5.0}
+        for s, g, pg in ((0, 0.95, [1.0, 0.9]), (1, 1.0, [1.0, 1.0]))
+    ]
+    got = bench_quality.aggregate(rows, {})
+    assert got["pass_rate"] == 0.75 and got["pass_rate_std"] == pytest.approx(0.5**0.5 / 2)
+    table = bench_quality.format_table([{"label": "GRPO", "setting": "default", **got}], with_pass_rate=True)
+    assert "answer check pass rate" in table.splitlines()[0] and "| 0.750 ± 0.354 |" in table
+    assert "pass rate" not in bench_quality.format_table([{"label": "GRPO", "setting": "default", **got}])
+
+
+def test_the_verifiable_suite_runs_data_and_sft_only(tmp_path, monkeypatch):
+    """Its rows are SFT, the gold best-of-n references and the six *-verifiable configs; its shared stages
+    are make-data and SFT (no reward model, no ranked samples), and its runs link only those."""
+    calls = []
+
+    def fake_run(name, argv, cwd, log):
+        calls.append(name)
+        return 1.0
+
+    monkeypatch.setattr(bench_quality, "run_alignlit", fake_run)
+    args = bench_quality.build_parser().parse_args(
+        ["--suite", "verifiable", "--configs", str(ROOT / "configs/quickstart"), "--work", str(tmp_path)]
+    )
+    args.tiny = False
+    suite = bench_quality.SUITES["verifiable"]
+    assert suite.methods[:3] == ("sft", "bo4-gold", "bo16-gold") and len(suite.methods) == 9
+    assert all((ROOT / "configs/quickstart" / f"{name}.yaml").exists() for name in suite.methods[3:])
+    bench = bench_quality.Bench(args, bench_quality.METHODS)
+    bench.shared()
+    assert calls == ["make-data", "sft"]
+    bench.prepare_run_dir(tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run/out/quickstart").iterdir()) == ["sft"]
+
+
 # --- the quickstart itself, at toy size ---
 
 
@@ -294,6 +345,25 @@ def tiny(cmd: list[str]) -> list[str]:
     raise AssertionError(f"unexpected quickstart command {cmd}")
 
 
+def test_the_verifiable_stage_needs_only_data_and_the_sft_policy():
+    """The quickstart's RLVR stage trains GRPO on the answer check from the SFT policy: no reward model,
+    no samples; it runs after SFT and its export is a row of the final evaluation."""
+    nox_module = load_noxfile()
+    name, row = nox_module.QUICKSTART_VERIFIABLE
+    config = bench_quality.read_config(ROOT / "configs/quickstart" / f"{name}.yaml")
+    args = config["model"]["init_args"]
+    assert (
+        args["reward"]["class_path"] == "alignlit.rewards.SimVerifier"
+        and args["policy"] == "out/quickstart/sft"
+    )
+    assert "out/quickstart/reward" not in json.dumps(config)
+    titles = [cmd for _, cmd, _ in nox_module.QUICKSTART]
+    stage = titles.index(["alignlit", "fit", "--config", f"configs/quickstart/{name}.yaml"])
+    assert stage > titles.index(["alignlit", "fit", "--config", "configs/quickstart/sft.yaml"])
+    evaluation = titles[-1]
+    assert f"out/quickstart/{name}" in evaluation and row in evaluation
+
+
 @pytest.mark.slow
 def test_quickstart_pipeline_runs_end_to_end_at_toy_size(tmp_path, monkeypatch):
     from alignlit.cli import main
@@ -308,4 +378,5 @@ def test_quickstart_pipeline_runs_end_to_end_at_toy_size(tmp_path, monkeypatch):
             assert (tmp_path / path).exists(), f"{title}: {path} was not written"
     rows = json.loads((tmp_path / "out/quickstart/eval.json").read_text())["results"]
     names = [r["name"] for r in rows]
-    assert names[:3] == ["SFT", "SFT", "SFT"] and names[3:] == ["DPO", "PPO", nox_module.QUICKSTART_ONLINE[1]]
+    assert names[:3] == ["SFT", "SFT", "SFT"]
+    assert names[3:] == ["DPO", "PPO", nox_module.QUICKSTART_ONLINE[1], nox_module.QUICKSTART_VERIFIABLE[1]]
