@@ -6,8 +6,8 @@ An episode (:class:`SimHintEnvironment`, an alignlit environment: ``reset``/``st
     \\n\\nHuman: copy a c d\\n\\nAssistant:                       <- the environment's hint (hint="answer")
      a c d                                                    <- the model's second answer
 
-The first answer that is exactly right (gold 1: the ideal symbols and nothing else) ends the episode, as
-does the last allowed attempt. Every hint costs ``turn_cost``, so the episode's gold is
+The first answer whose symbols are right (its words that are symbols equal the ideal answer; filler words
+are not checked here, gold still penalises them) ends the episode, as does the last allowed attempt. Every hint costs ``turn_cost``, so the episode's gold is
 
     gold = g(x, final answer) - turn_cost · (turns - 1)
 
@@ -83,8 +83,9 @@ class SimHintEnvironment:
         return prompt
 
     def right(self, response: str) -> bool:
-        """Exactly the ideal answer (gold 1)."""
-        return response.split() == self.answer.split()
+        """The answer's symbols are the ideal answer's (gold's correctness term is 1)."""
+        symbols = [w for w in response.split() if len(w) == 1 and w in self.task.symbols]
+        return symbols == self.answer.split()
 
     def step(self, response: str) -> tuple[str, float, bool]:
         self.attempt += 1
