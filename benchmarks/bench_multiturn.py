@@ -226,7 +226,7 @@ def main() -> None:
         f"(T = 1), turn cost {args.turn_cost}; lr chosen on {len(val)} validation prompts "
         f"(multi {chosen['multi']:g}, single {chosen['single']:g}).",
         "",
-        "| policy | evaluated | final gold | turns/episode | first answer right | hinted | right after hint | model tokens trained |",
+        "| policy | evaluated | final gold | turns/episode | first answer right (symbols) | hinted | right after hint | model tokens trained |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, key in (("SFT", "sft_in_single"), ("SFT", "sft_in_multi")):
