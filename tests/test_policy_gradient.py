@@ -511,10 +511,10 @@ def test_several_ranks_keep_rows_without_a_loss_token(tiny_policy_dir):
 
 @pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
 def test_make_batch_over_two_ranks_equals_one_process(tiny_policy_dir, reference_dir, advantage):
-    """Two modules (threads standing for 2 data-parallel ranks, tests/test_global_stats.py) build the batch of
+    """Two modules (threads standing for 2 data-parallel ranks, tests/distributed/test_global_stats.py) build the batch of
     half the groups each: their advantages are those one process builds on the whole rollout, with the batch
     statistics (REINFORCE++'s whitening, REINFORCE++-baseline's std) of the global batch, not their own."""
-    from tests.test_global_stats import ThreadRanks
+    from tests.distributed.test_global_stats import ThreadRanks
 
     def module():
         return make_module(tiny_policy_dir, n=2, advantage=advantage, reference=str(reference_dir),

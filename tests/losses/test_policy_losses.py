@@ -214,7 +214,7 @@ def test_register_policy_loss_makes_a_config_key():
 
 def test_dotted_path_and_function_lookups():
     assert resolve_registered("gspo", POLICY_LOSSES, "policy loss") == "gspo"
-    fn = resolve_registered("alignlit.losses.policy_gradient.cispo", POLICY_LOSSES, "policy loss")
+    fn = resolve_registered("alignlit.losses.policy_losses.cispo", POLICY_LOSSES, "policy loss")
     assert fn is cispo
     assert run(fn)[0].item() == run("cispo")[0].item()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from alignlit.data.preference import PairError
+from alignlit.data.pair_records import PairError
 from alignlit.data.records import read_records
 from alignlit.eval.score import evaluate_pairs, score_records
 from alignlit.models.export import read_metadata

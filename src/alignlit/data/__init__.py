@@ -2,14 +2,9 @@
 
 from alignlit.data.base import AlignDataModule, read_split, resolve_tokenizer, split_indices
 from alignlit.data.encoding import Encoded, LMBatch, Truncation, collate_lm, pad_left, pad_right
+from alignlit.data.pair_records import PairError, parse_pairs
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, read_ranked
-from alignlit.data.preference import (
-    PairEncoder,
-    PairError,
-    PreferenceBatch,
-    PreferenceDataModule,
-    parse_pairs,
-)
+from alignlit.data.preference import PairEncoder, PreferenceBatch, PreferenceDataModule
 from alignlit.data.processing import Pair, balance_lengths, drop_cycles, drop_duplicates, drop_ties
 from alignlit.data.prompts import PromptTruncation, truncate_prompts
 from alignlit.data.ranking import RankingBatch, RankingDataModule

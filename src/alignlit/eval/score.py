@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from alignlit.data.preference import parse_pairs
+from alignlit.data.pair_records import parse_pairs
 from alignlit.data.records import parse_prompt_response
 from alignlit.models.reward import AB_FORMAT_KEY, load_preference_model, load_reward_model, resolve_model_path
 from alignlit.rollout.reward import resolve_reward, score_texts

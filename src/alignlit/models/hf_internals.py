@@ -3,7 +3,7 @@
 The padding-free forwards (:mod:`alignlit.models.packing`) run a Hugging Face decoder with an
 attention function of their own. That relies on four things transformers does not promise
 across releases; nothing else in alignlit touches them, and :func:`check` (run by
-``tests/test_hf_internals.py``) fails with the transformers version and the name of what moved
+``tests/models/test_hf_internals.py``) fails with the transformers version and the name of what moved
 when a release changes one:
 
 1. ``transformers.AttentionInterface.register(name, fn)``: adds the grouped attention to the
@@ -108,7 +108,8 @@ def check() -> None:
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, attn_implementation="sdpa",
     )  # fmt: skip
-    decoder = LlamaModel(config).eval()
+    with torch.random.fork_rng():  # building the probe's weights leaves the caller's RNG where it was
+        decoder = LlamaModel(config).eval()
     calls: list[tuple] = []
 
     def recorder(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from alignlit.data.encoding import pad_left, pad_right
-from alignlit.data.preference import PairEncoder, render_prompt
+from alignlit.data.pair_records import render_prompt
+from alignlit.data.preference import PairEncoder
 from alignlit.models.export import read_metadata
 from alignlit.models.loading import last_token_index, load_policy, load_scalar_model
 

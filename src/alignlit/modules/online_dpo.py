@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 import torch
 
+from alignlit.data.pair_records import parse_pairs
 from alignlit.data.pairs_from_rm import RankedGroup, best_worst_pairs, write_jsonl
-from alignlit.data.preference import PairEncoder, PairExample, collate_preference, parse_pairs
+from alignlit.data.preference import PairEncoder, PairExample, collate_preference
 from alignlit.data.processing import Pair
 from alignlit.data.records import read_records
 from alignlit.losses import PreferenceLoss

@@ -97,7 +97,7 @@ class RolloutEngine(Protocol):
 def select_groups(rollouts: list[Rollout], groups: list[torch.Tensor], pad_id: int) -> Rollout:
     """The groups ``groups[k]`` ((g_k,) prompt indices) of ``rollouts[k]``, concatenated into one
     rollout (prompts re-padded on the left, responses on the right, to the widest of ``rollouts``;
-    :func:`~alignlit.rollout.vllm_engine.take_prompts` takes prompts of one rollout and trims its padding)."""
+    :func:`~alignlit.rollout.served.take_prompts` takes prompts of one rollout and trims its padding)."""
     n = rollouts[0].n
     rows = [(g[:, None] * n + torch.arange(n)).flatten() for g in groups]  # (g_k * n,)
     width_p = max(r.prompt_ids.shape[1] for r in rollouts)

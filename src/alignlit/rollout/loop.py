@@ -67,7 +67,7 @@ class RolloutLoop:
         engine: ``"hf"`` (Hugging Face ``generate`` on the training model, the default) or
             ``"vllm"`` (an in-process vLLM engine built from the policy's directory; with several
             training ranks one engine on rank 0 serves them all,
-            :class:`~alignlit.rollout.vllm_engine.RankZeroServedEngine`).
+            :class:`~alignlit.rollout.served.RankZeroServedEngine`).
         sampling: how responses are sampled (``sampling.seed`` must be None: use ``seed``).
         samples_per_prompt: responses sampled per prompt (``n``).
         generation_batch_size: most prompts per HF ``generate`` call (None: all at once).
@@ -130,11 +130,12 @@ class RolloutLoop:
             raise ValueError(
                 f"rollout max_staleness must be >= 0 and worker_threads >= 1, got {max_staleness}, {worker_threads}"
             )
-        if max_staleness and (sampling.top_k > 0 or sampling.top_p < 1):
+        if sampling.top_k > 0 or sampling.top_p < 1:
             raise ValueError(
-                f"rollout max_staleness {max_staleness} trains on behaviour log-probs that must be those of the "
-                f"distribution sampled from, but top_k={sampling.top_k}, top_p={sampling.top_p} truncate it: "
-                "sample with top_k 0 and top_p 1"
+                f"rollout sampling top_k={sampling.top_k}, top_p={sampling.top_p}: training samples must come from "
+                "the distribution whose log-probs the loss uses; a truncated one is renormalised over the kept "
+                "tokens, so every ratio and KL would be off by the log of the kept mass (TRL #6789). Sample "
+                "training rollouts with top_k 0 and top_p 1 (validation may truncate: val_sampling)"
             )
         self.engine_kind = engine
         self.sampling = sampling
@@ -156,6 +157,8 @@ class RolloutLoop:
         self.async_engine = None
         """The engine with weights of its own that generates ahead (``max_staleness >= 1``)."""
         self.pipeline: RolloutPipeline | None = None
+        self._unverified: WeightSnapshot | None = None
+        self._parity_model: torch.nn.Module | None = None
         self.policy: torch.nn.Module | None = None
         self.rollouts = 0
         """Training rollouts generated so far (the next one is sampled with ``seed + rollouts``)."""
@@ -206,7 +209,8 @@ class RolloutLoop:
                 f"rollout engine 'vllm' is built from the policy's Hugging Face directory, got {policy_dir!r}: "
                 "load the policy from an exported directory (not a TinyLlama spec)"
             )
-        from alignlit.rollout.vllm_engine import RankZeroServedEngine, VLLMEngine
+        from alignlit.rollout.served import RankZeroServedEngine
+        from alignlit.rollout.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(policy_dir, tokenizer, **self.vllm_args)
         if world_size == 1:
@@ -248,8 +252,36 @@ class RolloutLoop:
                 "engine serving several training ranks keeps one weight version; run max_staleness 0"
             )
         self.async_engine = engine
-        self.pipeline = RolloutPipeline(lambda snap: engine.load_state(snap.state), produce)
+
+        def load(snapshot: WeightSnapshot) -> None:
+            engine.load_state(snapshot.state)
+            self._unverified = snapshot  # the next batch is checked against exactly these weights
+
+        self.pipeline = RolloutPipeline(load, produce)
         return self.pipeline
+
+    def _verify_snapshot(self, rollout: Rollout, temperature: float) -> dict[str, float]:
+        """The parity check of the first batch an engine generated after loading a snapshot (vLLM with
+        ``max_staleness >= 1``): a teacher-forced forward of a model holding the snapshot's weights."""
+        snapshot, self._unverified = self._unverified, None
+        if self._parity_model is None:
+            from transformers import AutoModelForCausalLM
+
+            base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+            dtype = next(base.parameters()).dtype
+            self._parity_model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()
+        self._parity_model.load_state_dict(snapshot.state, strict=True)
+        parity = check_parity(
+            self._parity_model,
+            rollout,
+            temperature=temperature,
+            tol=self.parity_tol,
+            max_samples=self.parity_samples,
+        )
+        return {
+            "rollout/parity_max_abs_diff": parity["max_abs_diff"],
+            "rollout/parity_mean_abs_diff": parity["mean_abs_diff"],
+        }
 
     def snapshot(self, version: int) -> WeightSnapshot:
         """A copy of the policy's current full state dict on the CPU (LoRA merged), as ``version``."""
@@ -353,6 +385,8 @@ class RolloutLoop:
             )
             metrics["rollout/parity_max_abs_diff"] = parity["max_abs_diff"]
             metrics["rollout/parity_mean_abs_diff"] = parity["mean_abs_diff"]
+        if managed and engine is self.async_engine and self._unverified is not None and self.parity_every:
+            metrics.update(self._verify_snapshot(rollout, sampling.temperature))
         if counted:
             self.rollouts += 1
         self.metrics = metrics

@@ -1,12 +1,12 @@
-"""Every stage for a few steps under one strategy, run by tests/test_strategies.py and
-tests/test_multinode.py: as a script with 2 processes (Lightning's launcher starts the second process by
+"""Every stage for a few steps under one strategy, run by tests/distributed/test_strategies.py and
+tests/distributed/test_multinode.py: as a script with 2 processes (Lightning's launcher starts the second process by
 running this file again, or ``torchrun`` starts both), and in-process with one device.
 
-``python tests/multiproc_fit.py WORK STRATEGY OUT STAGE [STAGE ...]`` with ``STRATEGY`` one of
+``python tests/distributed/multiproc_fit.py WORK STRATEGY OUT STAGE [STAGE ...]`` with ``STRATEGY`` one of
 ``single`` (1 process), ``ddp`` (2-process DDP), ``tp`` (``ModelParallelStrategy``, 2-way tensor
 parallel), ``fsdp`` (``ModelParallelStrategy``, FSDP2 over 2 data-parallel ranks), or ``cuda``
 (``ModelParallelStrategy`` over the GPUs, at most 2, FSDP2 when there are 2, ``bf16-mixed``; run by
-tests/test_gpu.py). ``WORK`` holds what :func:`write_inputs` writes. Every stage trains on the same
+tests/distributed/test_gpu.py). ``WORK`` holds what :func:`write_inputs` writes. Every stage trains on the same
 *global* batch whatever the strategy (``GLOBAL_BATCH`` split over the data-parallel ranks) and writes,
 from rank 0, the full weights of the models it trains to ``OUT/<stage>/weights.pt`` and, from every
 rank, ``OUT/<stage>/rank-<r>.json`` (PPO: the KL coefficient and the running reward moments that rank

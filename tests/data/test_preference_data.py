@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from alignlit.data import DataError, Encoded
+from alignlit.data.pair_records import PairError, parse_pairs
 from alignlit.data.preference import (
     PairEncoder,
-    PairError,
     PairExample,
     PreferenceDataModule,
     collate_preference,
     length_grouped_batches,
-    parse_pairs,
 )
 from alignlit.data.processing import (
     Pair,

@@ -143,7 +143,7 @@ def test_quickstart_pairpref_config_small_run(tmp_path, tiny_policy_dir):
 
     from alignlit.cli import main
 
-    config = Path(__file__).resolve().parents[1] / "configs/quickstart/pairpref.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs/quickstart/pairpref.yaml"
     path = write_jsonl(tmp_path / "p.jsonl", ROWS * 2)
     main(
         ["fit", "--config", str(config),

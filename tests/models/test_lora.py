@@ -25,7 +25,7 @@ from alignlit.models.lora import (
 from alignlit.modules import DPOModule, Minibatches, Optim, PPOModule, RewardModule, SFTModule
 from alignlit.rollout import RolloutLoop, SamplingParams
 from alignlit.rollout.vllm_engine import VLLMEngine
-from tests.test_dpo import _Killed, _pairs_file, _Record
+from tests.modules.test_dpo import _Killed, _pairs_file, _Record
 
 LORA = LoRA(rank=4, alpha=8.0)
 

@@ -13,8 +13,8 @@ import torch
 from alignlit.data import PreferenceDataModule, SFTDataModule
 from alignlit.models.lora import LoRA
 from alignlit.modules import DPOModule, Optim, PPOModule, SFTModule
-from tests.test_dpo import _batch as _preference_batch
-from tests.test_dpo import _pairs_file
+from tests.modules.test_dpo import _batch as _preference_batch
+from tests.modules.test_dpo import _pairs_file
 
 
 def _sft_file(path):

@@ -142,10 +142,10 @@ def test_degenerate_rollout_is_skipped_and_counted(tiny_policy_dir, prompts_file
 
 
 def test_reward_from_a_dotted_function_path():
-    reward = resolve_reward("tests.test_online.length_reward")
+    reward = resolve_reward("tests.modules.test_online.length_reward")
     assert reward is length_reward
     with pytest.raises(ValueError, match="neither a reward-model directory nor an importable function"):
-        resolve_reward("tests.test_online.no_such_reward")
+        resolve_reward("tests.modules.test_online.no_such_reward")
     with pytest.raises(ValueError, match="is a class"):
         resolve_reward("alignlit.sim.SimGoldReward")
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -17,10 +17,10 @@ import yaml
 from safetensors.torch import load_file
 
 from alignlit.models import make_tiny_llama
-from tests import multiproc_fit
-from tests.test_strategies import MULTIPROC_TINY
+from tests.distributed import multiproc_fit
+from tests.distributed.test_strategies import MULTIPROC_TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -63,7 +63,7 @@ def _configs(work: Path) -> dict[str, dict]:
             "class_path": "alignlit.modules.PPOModule",
             "init_args": {
                 "policy": str(work / "policy"),
-                "reward": "tests.multiproc_fit.length_reward",
+                "reward": "tests.distributed.multiproc_fit.length_reward",
                 "reference": str(work / "reference"),
                 "optim": optim,
                 "critic_optim": optim,

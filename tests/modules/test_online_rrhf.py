@@ -21,9 +21,9 @@ from alignlit.modules import KLPenalty, Minibatches, OnlineRRHFModule, Optim
 from alignlit.modules.online_rrhf import read_extra_responses
 from alignlit.rollout import RolloutLoop, SamplingParams
 from tests.conftest import TINY
-from tests.test_online_dpo import PROMPTS, TIMING, char_reward, fit, scripted, write_jsonl
+from tests.modules.test_online_dpo import PROMPTS, TIMING, char_reward, fit, scripted, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

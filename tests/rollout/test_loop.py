@@ -205,3 +205,27 @@ def test_reward_variance_and_prompt_filter(policy, tokenizer):
     assert report["dropped"] == 3 - len(kept)
     with pytest.raises(ValueError, match="k >= 2"):
         reward_variance(engine.generate, reward, PROMPTS, k=1, sampling=sampling)
+
+
+def test_truncated_training_sampling_is_refused_and_why(policy, tokenizer):
+    """With top_k the engine samples from the renormalised top-k distribution, whose log-prob of a kept token
+    is the full-softmax one minus log(kept mass): the log-probs a rollout reports (and the trainer recomputes)
+    are off by exactly that, so a training rollout refuses top_k/top_p."""
+    with pytest.raises(ValueError, match=r"top_k=5, top_p=1\.0: training samples must come from"):
+        RolloutLoop(sampling=SamplingParams(top_k=5))
+    with pytest.raises(ValueError, match=r"top_p=0\.9"):
+        RolloutLoop(sampling=SamplingParams(top_p=0.9))
+    sampling = SamplingParams(top_k=5, max_new_tokens=1, seed=0)
+    rollout = HFEngine(tokenizer, policy).generate(PROMPTS[:1], 1, sampling)
+    ids = (rollout.prompt_ids, rollout.prompt_mask)
+    with torch.no_grad():
+        logits = policy(input_ids=ids[0], attention_mask=ids[1].long()).logits[0, -1]
+    full = torch.log_softmax(logits, -1)
+    kept_mass = full.topk(5).values.exp().sum()
+    token = int(rollout.response_ids[0, 0])
+    assert rollout.logprobs[0, 0].item() == pytest.approx(full[token].item(), abs=1e-5)  # what is reported
+    truncated = full[token] - kept_mass.log()  # what the token was sampled with
+    assert abs(truncated.item() - rollout.logprobs[0, 0].item()) == pytest.approx(
+        -kept_mass.log().item(), abs=1e-5
+    )
+    assert -kept_mass.log().item() > 0.01

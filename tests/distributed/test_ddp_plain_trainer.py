@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import ddp_plain_fit
+from tests.distributed import ddp_plain_fit
 
 
 def _write_data(path: Path) -> Path:
@@ -42,7 +42,7 @@ def test_plain_ddp_trainer_matches_one_process(tmp_path, tokenizer_dir):
     dm.setup()
     assert len({len(e.input_ids) - e.prompt_length for e in dm.train_set}) == 1  # equal response lengths
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     res = subprocess.run(
         [sys.executable, ddp_plain_fit.__file__, str(data), str(tokenizer_dir), str(tmp_path / "ddp"), "2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,

@@ -243,7 +243,7 @@ def test_score_cli_writes_scores_and_pair_metrics(trained_rm, tmp_path):
         main(["--model", str(rm_dir), "--input", records])  # --output missing: argparse exits with 2
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED_HH = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-dev.jsonl.gz"
 
 

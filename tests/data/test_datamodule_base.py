@@ -84,7 +84,7 @@ LIGHTNING_EPOCH_END = pytest.mark.xfail(
     reason="Lightning 2.6.6's fit loop, resumed from a checkpoint written at the last batch of an epoch, "
     "starts epoch e+2 (current_epoch skips e+1; with max_epochs a whole epoch is never trained), whatever "
     "the loader. This plain LightningModule shows Lightning's behaviour; alignlit's stages rewrite such "
-    "checkpoints (AlignModule.on_load_checkpoint -> finish_epoch_in_checkpoint, tests/test_sft.py)",
+    "checkpoints (AlignModule.on_load_checkpoint -> finish_epoch_in_checkpoint, tests/modules/test_sft.py)",
 )
 
 

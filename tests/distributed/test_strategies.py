@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from alignlit.models import make_tiny_llama
 from alignlit.strategies import clip_grad_norm
-from tests import multiproc_fit
 from tests.conftest import TINY
+from tests.distributed import multiproc_fit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_clip_grad_norm_matches_torch_on_plain_tensors():
@@ -124,7 +124,7 @@ MULTIPROC_TINY = {**TINY, "num_heads": 2, "head_dim": 32}  # 2 heads: 2-way tens
 
 @pytest.fixture(scope="module")
 def multiproc_runs(tmp_path_factory, tokenizer):
-    """Inputs for tests/multiproc_fit.py and every stage's one-process run on them (in this process)."""
+    """Inputs for tests/distributed/multiproc_fit.py and every stage's one-process run on them (in this process)."""
     root = tmp_path_factory.mktemp("multiproc")
     multiproc_fit.write_inputs(
         root / "work", tokenizer, lambda seed: make_tiny_llama(tokenizer, seed=seed, **MULTIPROC_TINY)

@@ -428,12 +428,14 @@ def test_class_path_loss_from_the_command_line(tmp_path, tiny_policy_dir, tokeni
         "--trainer.logger=false",
         f"--trainer.default_root_dir={tmp_path}",
     ]
-    loss_type = "--model.init_args.loss_type={class_path: tests.test_dpo.MarginDPO, init_args: {margin: 1.0}}"
+    loss_type = (
+        "--model.init_args.loss_type={class_path: tests.modules.test_dpo.MarginDPO, init_args: {margin: 1.0}}"
+    )
     cli = AlignCLI(args=[*args, loss_type], run=False)
     module = cli.model
     assert (
         isinstance(module.objective.loss.fn, MarginDPO)
-        and module.objective.name == "tests.test_dpo.MarginDPO"
+        and module.objective.name == "tests.modules.test_dpo.MarginDPO"
     )
     assert module.objective.loss.fn.margin == 1.0 and module.reference_model is not None
     with torch.no_grad():

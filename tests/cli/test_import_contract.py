@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -79,7 +79,9 @@ def test_a_new_top_level_module_must_be_placed_in_a_layer(lint_imports_available
 def test_a_stage_importing_another_stage_breaks_independence(lint_imports_available, tmp_path):
     src = copy_package(tmp_path)
     target = src / "alignlit" / "modules" / "online_rrhf.py"
-    target.write_text(target.read_text() + "\n\ndef _sibling():\n    import alignlit.modules.online_dpo  # noqa: F401\n")
+    target.write_text(
+        target.read_text() + "\n\ndef _sibling():\n    import alignlit.modules.online_dpo  # noqa: F401\n"
+    )
     res = _lint_imports(src, tmp_path)
     assert res.returncode != 0
     assert "stages are independent" in res.stdout and "BROKEN" in res.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,11 +24,10 @@ from alignlit.models import (
 )
 from alignlit.models.reward import PreferenceModel
 from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, PairwisePrefModule, PtxMix
-from alignlit.ops import length_reward_correlation
 from alignlit.rollout import Experience, PreferenceRanking, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPS = ("sort", "reverse", "copy", "dedupe")
 PROMPTS = [
     f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
@@ -156,21 +154,6 @@ def scripted(module, script):
 
 
 # ---------------------------------------------------------------------- pure parts
-def test_length_reward_correlation_by_hand():
-    """Row 0: r = [1, 2, 3], |y| = [1, 2, 4]: centred [-1, 0, 1] and [-4/3, -1/3, 5/3], covariance sum 3,
-    norms² 2 and 14/3, so ρ = 3/sqrt(28/3) = 0.981981. Row 1 constant reward and row 3 constant length
-    are excluded; row 2 is exactly anti-correlated (-1). Mean over the used prompts: (0.981981 - 1)/2."""
-    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0], [3.0, 2.0, 1.0], [0.0, 1.0, 2.0]])
-    lengths = torch.tensor([[1, 2, 4], [1, 2, 3], [1, 2, 3], [5, 5, 5]])
-    corr, used, excluded = length_reward_correlation(rewards, lengths)
-    assert (used, excluded) == (2, 2)
-    assert corr == pytest.approx((3 / math.sqrt(28 / 3) - 1) / 2, abs=1e-12)
-    corr, used, excluded = length_reward_correlation(rewards[1:2], lengths[1:2])
-    assert math.isnan(corr) and (used, excluded) == (0, 1)
-    with pytest.raises(ValueError, match=r"\(B, n\)"):
-        length_reward_correlation(rewards, lengths[:, :2])
-
-
 # ---------------------------------------------------------------------- pairing, penalty, JSONL, skip
 def hand_script(t, prompt, j):
     """Prompt 0: texts x / yyyyyyyy / zzzz with 5 / 1 / 2 tokens, 1 / 8 / 4 characters, rewards

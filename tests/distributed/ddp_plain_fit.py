@@ -1,5 +1,5 @@
 """SFT on a plain ``lightning.Trainer`` (no alignlit CLI, Lightning's default
-``use_distributed_sampler=True``), run by tests/test_ddp_plain_trainer.py: as a script with
+``use_distributed_sampler=True``), run by tests/distributed/test_ddp_plain_trainer.py: as a script with
 ``devices=2`` (Lightning's DDP launcher starts the second process by running this file again) and
 in-process with ``devices=1``. Writes the rows every rank trained on and rank 0's final weights."""
 

@@ -305,7 +305,7 @@ class ScaledSLiC:
 def test_loss_objects_are_bound_as_they_are():
     """(-1, -2): max(0, 1 - 1) = 0; (-2, -1): max(0, 1 + 1) = 2; mean 1, times weight 3 = 3."""
     bound = preference_loss(ScaledSLiC(3.0))
-    assert bound.name == "tests.test_losses_registry.ScaledSLiC" and not bound.needs_reference
+    assert bound.name == "tests.losses.test_registry.ScaledSLiC" and not bound.needs_reference
     assert bound(pair([[-1.0], [-2.0]], [[-2.0], [-1.0]]), reference([0.0, 0.0], [0.0, 0.0]))[0].item() == 3.0
     with pytest.raises(ValueError, match=r"loss_args \['beta'\] apply to registered losses only"):
         preference_loss(ScaledSLiC(), {"beta": 0.1})

@@ -7,7 +7,7 @@ import pytest
 
 from alignlit.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, cwd=None):

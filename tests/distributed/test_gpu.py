@@ -5,7 +5,7 @@ build of torch, so there they always skip, listed in the summary). They build ti
 (no downloads):
 
 - SFT, DPO and PPO train a few steps under ``ModelParallelStrategy`` with ``bf16-mixed`` through
-  tests/multiproc_fit.py (strategy ``cuda``): FSDP2 over 2 data-parallel ranks with 2 or more GPUs; with
+  tests/distributed/multiproc_fit.py (strategy ``cuda``): FSDP2 over 2 data-parallel ranks with 2 or more GPUs; with
   one GPU the same strategy on a 1 x 1 mesh, which shards nothing;
 - the fused-head and packed log-probs equal the full logits' log-probs of a bfloat16 model on CUDA.
 """
@@ -24,20 +24,20 @@ import torch
 
 from alignlit.models import load_policy, make_tiny_llama
 from alignlit.models.forward import response_token_logprobs, token_logprobs
-from tests import multiproc_fit
 from tests.conftest import TINY
-from tests.test_forward import pair_batch, rollout_batch
+from tests.distributed import multiproc_fit
+from tests.models.test_forward import pair_batch, rollout_batch
 
 NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MULTIPROC_TINY = {**TINY, "num_heads": 2, "head_dim": 32}
 
 
 @pytest.fixture(scope="module")
 def cuda_runs(tmp_path_factory, tokenizer):
-    """SFT, DPO and PPO trained by one launch of tests/multiproc_fit.py with the ``cuda`` strategy."""
+    """SFT, DPO and PPO trained by one launch of tests/distributed/multiproc_fit.py with the ``cuda`` strategy."""
     root = tmp_path_factory.mktemp("gpu")
     multiproc_fit.write_inputs(
         root / "work", tokenizer, lambda seed: make_tiny_llama(tokenizer, seed=seed, **MULTIPROC_TINY)

@@ -1,0 +1,260 @@
+"""Asynchronous rollouts (``rollout.max_staleness``) against the synchronous loop, on the simulated task.
+
+For GRPO and PPO (``configs/quickstart/{grpo,ppo}.yaml`` as shipped, the learned reward model) and each
+staleness ``k`` of ``--staleness`` (0 = the synchronous loop), one ``alignlit fit`` per seed with the
+trainer on one torch thread (``OMP_NUM_THREADS=1``) and the rollout worker on another
+(``rollout.worker_threads: 1``): the two of them share the machine's two cores. No validation, no
+checkpoints, so the clock measures training. Reported per (stage, engine, k):
+
+- samples/s in the steady state (the steps after the first ``k + 1``, whose rollouts the pipeline filled
+  before training started), and over the whole run (every step, the worker's start included), from the
+  per-step ``time/rollout_s`` + ``time/train_s`` the stage logs; the speed-up against ``k = 0``;
+- the share of the trainer's time spent waiting for a rollout (``async/wait_s``; at ``k = 0`` the whole
+  rollout time is waiting);
+- the staleness of every trained sample (a histogram: with pinned versions, step ``j``'s samples are
+  exactly ``min(j, k)`` versions old);
+- gold reward and KL to SFT of the exported policy on ``--test-prompts`` prompts of ``prompts_test``
+  (T = 1, sampling seed = the run's seed), mean ± std over the seeds run for that ``k``.
+
+Runs in ``--root`` (needs ``data/sim`` and ``out/quickstart/{sft,reward}``; ``--prepare`` makes them with
+the quickstart commands). Writes ``<results>/async.{md,json,png}``; every run's JSON stays under
+``--work`` and a rerun skips the finished ones.
+
+    python benchmarks/bench_async.py --prepare                   # GRPO and PPO, k = 0 1 2 4, HF engine
+    python benchmarks/bench_async.py --engines hf vllm --staleness 0 1
+    python benchmarks/bench_async.py --tiny                      # 4 rollouts each, 50 test prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quality import mean_std, pm, read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"grpo": "configs/quickstart/grpo.yaml", "ppo": "configs/quickstart/ppo.yaml"}
+
+
+def run_alignlit(argv: list[str], cwd: Path, log: Path, env: dict) -> float:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "alignlit.cli", *argv], cwd=cwd, stdout=f,
+                              stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"alignlit {' '.join(argv[:3])} failed (log {log}):\n{tail}")
+    return time.perf_counter() - start
+
+
+def prepare(root: Path, env: dict) -> None:
+    """The quickstart's data, SFT policy and reward model, unless they exist."""
+    steps = [
+        (root / "data/sim/manifest.json", ["sim", "make-data", "--out", "data/sim"]),
+        (root / "out/quickstart/sft/config.json", ["fit", "--config", str(ROOT / "configs/quickstart/sft.yaml")]),
+        (root / "out/quickstart/reward/config.json", ["fit", "--config", str(ROOT / "configs/quickstart/reward.yaml")]),
+    ]  # fmt: skip
+    for done, argv in steps:
+        if not done.exists():
+            print(f"prepare: alignlit {' '.join(argv)}", flush=True)
+            run_alignlit(argv, root, root / "out/bench_async/logs" / f"prepare_{argv[0]}.log", env)
+
+
+def fit(args, stage: str, engine: str, k: int, seed: int) -> dict:
+    """One training run; its record (timings from the history, the export's path)."""
+    run = Path(args.work) / f"{stage}-{engine}-k{k}-s{seed}"
+    record_file = run / "run.json"
+    if (cached := read_json(record_file)) and cached.get("rollouts") == args.rollouts:
+        return cached
+    config = ROOT / CONFIGS[stage]
+    argv = [
+        "fit", "--config", str(config), f"--seed_everything={seed}", f"--model.init_args.rollout.seed={seed}",
+        f"--model.init_args.rollout.engine={engine}", f"--model.init_args.rollout.max_staleness={k}",
+        "--model.init_args.rollout.worker_threads=1", f"--trainer.limit_train_batches={args.rollouts}",
+        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.enable_checkpointing=false",
+        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+        f"--trainer.default_root_dir={run}", f"--model.init_args.curves_file={run / 'curves.png'}",
+        f"--model.init_args.export_dir={run / 'policy'}",
+    ]  # fmt: skip
+    env = {**args.env, "OMP_NUM_THREADS": "1"}
+    wall = run_alignlit(argv, Path(args.root), run / "fit.log", env)
+    history = [h for h in json.loads((run / "curves.json").read_text()) if "time/train_s" in h]
+    steps = [
+        {
+            "seconds": h["time/rollout_s"] + h["time/train_s"],
+            "samples": h.get("rollout/samples", 0.0),
+            "wait": h.get("async/wait_s", h["time/rollout_s"]),
+            "staleness": h.get("async/staleness_max", 0.0),
+        }
+        for h in history
+    ]
+    steady = steps[k + 1 :] or steps
+    record = {
+        "stage": stage, "engine": engine, "k": k, "seed": seed, "rollouts": args.rollouts, "wall_s": wall,
+        "samples_per_s": sum(s["samples"] for s in steady) / sum(s["seconds"] for s in steady),
+        "samples_per_s_all": sum(s["samples"] for s in steps) / sum(s["seconds"] for s in steps),
+        "wait_share": sum(s["wait"] for s in steady) / sum(s["seconds"] for s in steady),
+        "staleness": [s["staleness"] for s in steps], "policy": str(run / "policy"),
+    }  # fmt: skip
+    run.mkdir(parents=True, exist_ok=True)
+    record_file.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def evaluate(args, record: dict) -> dict:
+    """Gold reward and KL to SFT of a run's export on the test prompts (cached in the run's folder)."""
+    cell = Path(record["policy"]).parent / "eval_test.json"
+    if (cached := read_json(cell)) and cached.get("prompts") == args.test_prompts:
+        return cached
+    from alignlit.data import parse_prompt, read_records
+    from alignlit.eval.gold import evaluate_policy
+    from alignlit.models import load_policy
+    from alignlit.rollout import SamplingParams
+    from alignlit.sim import load_sim
+
+    root = Path(args.root)
+    task, _ = load_sim(root / "data/sim")
+    prompts = [parse_prompt(r) for r in read_records(root / "data/sim/prompts_test.jsonl")][
+        : args.test_prompts
+    ]
+    sft, _ = load_policy(root / "out/quickstart/sft")
+    policy, tokenizer = load_policy(record["policy"])
+    sft.eval(), policy.eval()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=record["seed"])
+    result = evaluate_policy(policy, tokenizer, prompts, task.gold_rewards, reference=sft, sampling=sampling,
+                             batch_size=100, name=f"{record['stage']} k={record['k']}")  # fmt: skip
+    out = {"prompts": len(prompts), **result.as_dict()}
+    cell.write_text(json.dumps(out) + "\n")
+    return out
+
+
+def table(records: list[dict]) -> list[dict]:
+    rows = []
+    for stage, engine, k in sorted({(r["stage"], r["engine"], r["k"]) for r in records}):
+        runs = [r for r in records if (r["stage"], r["engine"], r["k"]) == (stage, engine, k)]
+        base = [r for r in records if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0)]
+        rate, rate_std = mean_std([r["samples_per_s"] for r in runs])
+        base_rate, _ = mean_std([r["samples_per_s"] for r in base])
+        histogram: dict[int, int] = {}
+        for r in runs:
+            for s in r["staleness"]:
+                histogram[int(s)] = histogram.get(int(s), 0) + 1
+        gold = [r["eval"]["gold"] for r in runs if "eval" in r]
+        kl = [r["eval"]["kl_to_reference"] for r in runs if "eval" in r]
+        rows.append({
+            "stage": stage, "engine": engine, "k": k, "seeds": [r["seed"] for r in runs],
+            "samples_per_s": rate, "samples_per_s_std": rate_std,
+            "samples_per_s_all": mean_std([r["samples_per_s_all"] for r in runs])[0],
+            "speedup": rate / base_rate if base_rate else None,
+            "wait_share": mean_std([r["wait_share"] for r in runs])[0],
+            "gold": mean_std(gold), "kl": mean_std(kl), "gold_seeds": len(gold),
+            "staleness_histogram": dict(sorted(histogram.items())),
+        })  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| stage | engine | k | samples/s (steady) | speed-up | samples/s (whole run) | trainer waits | "
+        "gold (test) | KL to SFT | seeds | staleness of trained steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['stage']} | {r['engine']} | {r['k']} | {pm(r['samples_per_s'], r['samples_per_s_std'], 1)} | "
+            f"{r['speedup']:.2f}× | {r['samples_per_s_all']:.1f} | {100 * r['wait_share']:.0f}% | "
+            f"{pm(*r['gold'])} | {pm(*r['kl'], 2)} | {r['gold_seeds']} | "
+            + ", ".join(f"{s}: {c}" for s, c in r["staleness_histogram"].items())
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for stage, engine in sorted({(r["stage"], r["engine"]) for r in rows}):
+        mine = [r for r in rows if (r["stage"], r["engine"]) == (stage, engine)]
+        ks = [r["k"] for r in mine]
+        axes[0].plot(ks, [r["samples_per_s"] for r in mine], marker="o", label=f"{stage} ({engine})")
+        golds = [(r["k"], *r["gold"]) for r in mine if r["gold"][0] is not None]
+        axes[1].errorbar([g[0] for g in golds], [g[1] for g in golds], yerr=[g[2] or 0 for g in golds],
+                         marker="o", capsize=3, label=f"{stage} ({engine})")  # fmt: skip
+    axes[0].set(xlabel="max_staleness k", ylabel="samples/s (steady state)", title="throughput")
+    axes[1].set(
+        xlabel="max_staleness k", ylabel="gold reward (test prompts)", title="quality at equal samples"
+    )
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=".", help="folder with data/sim and out/quickstart/{sft,reward}")
+    p.add_argument("--work", default="out/bench_async", help="run folders (relative to --root)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks/results"))
+    p.add_argument("--stages", nargs="+", default=["grpo", "ppo"], choices=sorted(CONFIGS))
+    p.add_argument("--engines", nargs="+", default=["hf"], choices=["hf", "vllm"])
+    p.add_argument("--staleness", nargs="+", type=int, default=[0, 1, 2, 4])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--seeds-for", nargs="+", type=int, default=[0, 1],
+                   help="the k run with every seed (the others with the first seed only)")  # fmt: skip
+    p.add_argument("--rollouts", type=int, default=30)
+    p.add_argument("--test-prompts", type=int, default=500)
+    p.add_argument("--prepare", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="4 rollouts, 50 test prompts, one seed")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.rollouts, args.test_prompts, args.seeds = 4, 50, args.seeds[:1]
+    args.work = str(Path(args.root) / args.work)
+    args.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if args.prepare:
+        prepare(Path(args.root), args.env)
+    records = []
+    plan = [
+        (stage, engine, k, seed)
+        for stage in args.stages for engine in args.engines for k in args.staleness
+        for seed in (args.seeds if k in args.seeds_for else args.seeds[:1])
+    ]  # fmt: skip
+    for i, (stage, engine, k, seed) in enumerate(plan, 1):
+        start = time.perf_counter()
+        record = fit(args, stage, engine, k, seed)
+        record["eval"] = evaluate(args, record)
+        records.append(record)
+        print(f"[{i}/{len(plan)}] {stage} {engine} k={k} seed={seed}: {record['samples_per_s']:.1f} samples/s "
+              f"(steady), gold {record['eval']['gold']:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    rows = table(records)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    name = "async_tiny" if args.tiny else "async"
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "machine": f"{os.cpu_count()} cores",
+    }
+    (results / f"{name}.json").write_text(
+        json.dumps({**meta, "rows": rows, "runs": records}, indent=1) + "\n"
+    )
+    text = format_table(rows)
+    (results / f"{name}.md").write_text(f"{meta['date']}, `{meta['command']}`\n\n{text}\n")
+    plot(rows, results / f"{name}.png")
+    print(text)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
