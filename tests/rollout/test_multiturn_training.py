@@ -160,3 +160,19 @@ def test_multiturn_grpo_exact_resume(tiny_policy_dir, data_dir, tmp_path):
         assert torch.equal(a, b), f"policy.{key} differs after resume"
     strip = lambda history: [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in history]  # noqa: E731
     assert strip(resumed.history) == strip(straight.history)
+
+
+def test_multiturn_grpo_with_asynchronous_rollouts(tiny_policy_dir, data_dir, tmp_path):
+    """Episodes generated ahead by the HF worker (max_staleness 1, token in / token out through the worker's
+    generate_from_ids): the second step trains on episodes one version old, the environment's tokens stay
+    out of the loss."""
+    rollout = loop()
+    rollout.max_staleness = 1
+    module = grpo(tiny_policy_dir, rollout=rollout)
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(module, PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), batch_size=2))
+    train = [h for h in module.history if "time/train_s" in h]
+    assert [h["async/staleness_max"] for h in train] == [0, 1]
+    assert all("episode/turns" in h for h in train) and trainer.global_step >= 1

@@ -9,7 +9,7 @@ import torch
 from alignlit.models.forward import response_logprobs
 from alignlit.rollout import SamplingParams, run_episodes
 from tests.rollout.test_episodes import PROMPT, HintEnv
-from tests.test_vllm import (  # noqa: F401 - fixtures
+from tests.rollout.test_vllm import (  # noqa: F401 - fixtures
     _need_vllm,
     engine,
     policy,

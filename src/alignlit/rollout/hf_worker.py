@@ -63,6 +63,9 @@ def _serve(config, dtype, tokenizer, micro_batch_size, threads, requests, replie
                 _, version, state = request
                 model.load_state_dict(state, strict=True)
                 replies.put(("loaded", version, state_checksum(model.state_dict())))
+            elif request[0] == "generate_from_ids":
+                _, prompt_ids, n, sampling = request
+                replies.put(("rollout", engine.generate_from_ids(prompt_ids, n, sampling)))
             else:
                 _, prompts, n, sampling = request
                 replies.put(("rollout", engine.generate(prompts, n, sampling)))
@@ -177,6 +180,17 @@ class HFWorkerEngine:
             )
         self.requests.put(("generate", list(prompts), n, sampling))
         return self._reply(f"generating {len(prompts)} prompts x {n}")[1]
+
+    def generate_from_ids(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> Rollout:
+        """:meth:`generate` from token-id prompts, used as they are (multi-turn episodes)."""
+        if self.version is None:
+            raise RuntimeError(
+                "HFWorkerEngine.generate before any load_weights: the worker holds random weights"
+            )
+        self.requests.put(("generate_from_ids", [list(p) for p in prompt_ids], n, sampling))
+        return self._reply(f"generating {len(prompt_ids)} prompts x {n}")[1]
 
     def close(self) -> None:
         """Stop the worker (idempotent)."""

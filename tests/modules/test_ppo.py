@@ -25,7 +25,7 @@ from alignlit.ops import (
 from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams
 from tests.conftest import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPS = ("sort", "reverse", "copy", "dedupe")
 PROMPTS = [
     f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"

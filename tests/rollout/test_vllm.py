@@ -210,7 +210,7 @@ def test_ppo_with_vllm_under_two_processes_matches_one_process(tmp_path, tokeniz
 
     from tests.distributed import multiproc_fit
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     work = tmp_path / "work"
     vllm_tiny = {**TINY, "num_heads": 2, "head_dim": 64}  # vLLM on CPU needs head_dim 64
     multiproc_fit.write_inputs(

@@ -24,7 +24,7 @@ from alignlit.rollout import Experience, RolloutLoop, SamplingParams
 from alignlit.rollout.base import select_groups
 from tests.conftest import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPS = ("sort", "reverse", "copy", "dedupe")
 PROMPTS = [
     f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
@@ -205,7 +205,7 @@ def test_group_advantages_match_naive_reference(tiny_policy_dir, estimator):
 
 
 def test_dotted_path_estimator(tiny_policy_dir):
-    module = make_module(tiny_policy_dir, advantage="tests.test_policy_gradient.doubled_dr_grpo")
+    module = make_module(tiny_policy_dir, advantage="tests.modules.test_policy_gradient.doubled_dr_grpo")
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
     batch, _ = make_batch(module, exp.rollout, exp.rewards)
     keep = exp.rollout.response_mask.any(-1)
