@@ -18,7 +18,7 @@ from alignlit.ops import (
     reinforce_pp_returns,
     token_advantages,
 )
-from alignlit.ops.advantages import discounted_returns
+from alignlit.ops.token_advantages import discounted_returns
 
 # Row 0 has 3 response tokens, row 1 two; row 1's padding holds NaN (must be ignored).
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -120,7 +120,7 @@ def test_dotted_path_resolves_like_the_other_registries():
         == "reinforce_pp"
     )
     fn = resolve_registered(
-        "alignlit.ops.advantages.discounted_returns", TOKEN_ADVANTAGE_ESTIMATORS, "advantage estimator"
+        "alignlit.ops.token_advantages.discounted_returns", TOKEN_ADVANTAGE_ESTIMATORS, "advantage estimator"
     )
     assert fn is discounted_returns
 

@@ -9,8 +9,6 @@ from alignlit.ops.advantages import (
     group_advantages,
     register_advantage,
     register_token_advantage,
-    reinforce_pp_returns,
-    token_advantages,
 )
 from alignlit.ops.dapo import DynamicSampling, Overlong, informative_groups, overlong_mask, overlong_penalty
 from alignlit.ops.gae import gae
@@ -43,6 +41,7 @@ from alignlit.ops.stats import (
     masked_var,
     whiten,
 )
+from alignlit.ops.token_advantages import reinforce_pp_returns, token_advantages
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
