@@ -2,7 +2,7 @@
 
 It does nothing else: what the stage derives from the samples (old and reference log-probs, KL,
 advantages) is built by the online base (:class:`~alignlit.modules.online.OnlineModule`), and the
-stage owns its own minibatch loop. Switching engines is one config key, ``engine: hf | vllm``::
+stage owns its own minibatch loop. Switching engines is one config key, ``engine: hf | vllm | vllm_server``::
 
     experience = loop.collect(prompts, reward, version=v)   # sync if the engine is not at v -> generate -> score
 
@@ -13,6 +13,7 @@ that generated it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +68,9 @@ class RolloutLoop:
         engine: ``"hf"`` (Hugging Face ``generate`` on the training model, the default) or
             ``"vllm"`` (an in-process vLLM engine built from the policy's directory; with several
             training ranks one engine on rank 0 serves them all,
-            :class:`~alignlit.rollout.served.RankZeroServedEngine`).
+            :class:`~alignlit.rollout.served.RankZeroServedEngine`), or ``"vllm_server"`` (vLLM engines served
+            at ``endpoints``, e.g. by ``alignlit serve``; every rank's prompts are spread over them and weights
+            are pushed over a collective, :class:`~alignlit.rollout.server.ServedVLLMEngine`).
         sampling: how responses are sampled (``sampling.seed`` must be None: use ``seed``).
         samples_per_prompt: responses sampled per prompt (``n``).
         generation_batch_size: most prompts per HF ``generate`` call (None: all at once).
@@ -76,7 +79,8 @@ class RolloutLoop:
             :class:`~alignlit.rollout.parity.ParityError`.
         parity_tol: largest allowed absolute log-prob difference.
         parity_samples: samples recomputed by the parity check.
-        vllm_args: extra keyword arguments of :class:`~alignlit.rollout.VLLMEngine` (e.g. ``sync_every``).
+        vllm_args: extra keyword arguments of :class:`~alignlit.rollout.VLLMEngine` (e.g. ``sync_every``), or with
+            ``vllm_server`` of :class:`~alignlit.rollout.server.ServedVLLMEngine` (e.g. ``weight_sync: file``).
         seed: training rollout ``i`` is sampled with seed ``seed + i`` (the stage's other seeded
             choices, e.g. minibatch shuffling, start from it too).
         max_staleness: ``k``: 0 (the default) generates each training rollout when the step needs it, with
@@ -94,11 +98,12 @@ class RolloutLoop:
         max_turns: most model turns per episode (with ``environment``).
         max_episode_tokens: most response-side tokens, the model's and the environment's, per episode
             (with ``environment``; default ``max_turns * sampling.max_new_tokens``).
+        endpoints: the served engines' ``http://host:port`` (``engine: vllm_server``).
     """
 
     def __init__(
         self,
-        engine: Literal["hf", "vllm"] = "hf",
+        engine: Literal["hf", "vllm", "vllm_server"] = "hf",
         sampling: SamplingParams | None = None,
         samples_per_prompt: int = 1,
         generation_batch_size: int | None = None,
@@ -112,10 +117,17 @@ class RolloutLoop:
         environment: Environment | None = None,
         max_turns: int = 2,
         max_episode_tokens: int | None = None,
+        endpoints: list[str] | None = None,
     ):
         sampling = sampling if sampling is not None else SamplingParams()
-        if engine not in ("hf", "vllm"):
-            raise ValueError(f"rollout engine must be 'hf' or 'vllm', got {engine!r}")
+        if engine not in ("hf", "vllm", "vllm_server"):
+            raise ValueError(f"rollout engine must be 'hf', 'vllm' or 'vllm_server', got {engine!r}")
+        if (engine == "vllm_server") != bool(endpoints):
+            raise ValueError(
+                f"rollout endpoints (the served engines' http://host:port) go with engine 'vllm_server' and it needs "
+                f"them; got engine {engine!r} and endpoints {endpoints!r}"
+            )
+        self.endpoints = list(endpoints or [])
         if sampling.seed is not None:
             raise ValueError(
                 f"rollout sampling.seed must be None (got {sampling.seed}): rollout i is sampled with "
@@ -204,6 +216,15 @@ class RolloutLoop:
         if self.engine_kind == "hf":
             self.engine = HFEngine(tokenizer, policy, micro_batch_size=self.generation_batch_size)
             return
+        if self.engine_kind == "vllm_server":
+            from alignlit.rollout.server import ServedVLLMEngine
+
+            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+            self.engine = ServedVLLMEngine.for_trainer(
+                self.endpoints, tokenizer, model_config=getattr(base, "config", None), world_size=world_size,
+                data_parallel=data_parallel, **{"seed": self.seed, **self.vllm_args},
+            )  # fmt: skip
+            return
         if policy_dir is None or not (Path(policy_dir) / "config.json").exists():
             raise ValueError(
                 f"rollout engine 'vllm' is built from the policy's Hugging Face directory, got {policy_dir!r}: "
@@ -212,6 +233,8 @@ class RolloutLoop:
         from alignlit.rollout.served import RankZeroServedEngine
         from alignlit.rollout.vllm_engine import VLLMEngine
 
+        if self.max_staleness:  # the engine core in its own process: generation overlaps training
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         engine = VLLMEngine(policy_dir, tokenizer, **self.vllm_args)
         if world_size == 1:
             self.engine = engine
@@ -245,6 +268,10 @@ class RolloutLoop:
             self.pipeline = RolloutPipeline(
                 lambda snap: worker.load_weights(snap.version, snap.state), produce
             )
+            return self.pipeline
+        if getattr(engine, "versioned", False):  # served engines take (version, state) and acknowledge it
+            self.async_engine = engine
+            self.pipeline = RolloutPipeline(lambda s: engine.load_weights(s.version, s.state), produce)
             return self.pipeline
         if not hasattr(engine, "load_state"):
             raise NotImplementedError(
@@ -344,7 +371,10 @@ class RolloutLoop:
         synced = False
         if not managed and self.engine_version != version:
             start = time.perf_counter()
-            engine.sync(policy)
+            if getattr(engine, "versioned", False):  # a served engine acknowledges the version it holds
+                engine.sync(policy, version=version)
+            else:
+                engine.sync(policy)
             metrics["rollout/sync_s"] = time.perf_counter() - start
             self.syncs += 1
             self.engine_version = version
