@@ -32,7 +32,9 @@ def test_every_quickstart_config_has_a_paper_twin_and_every_yaml_a_test():
     fragment_folders = {"strategies", "lora", "speed"}
     for path in CONFIG_DIR.rglob("*.yaml"):
         folder = path.relative_to(CONFIG_DIR).parts[0]
-        assert (path in CONFIGS) != (folder in fragment_folders), f"{path}: a stage config or a known fragment"
+        assert (path in CONFIGS) != (folder in fragment_folders), (
+            f"{path}: a stage config or a known fragment"
+        )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))

@@ -179,8 +179,8 @@ def test_reward_model_with_lora_trains_its_head_and_exports_both_ways(tmp_path, 
             expected = sequence_scores(module.rm, ids, attention)
         out = module.export(tmp_path / mode)
         scorer, _ = load_scalar_model(out, head="trained")
-        with torch.no_grad():
-            torch.testing.assert_close(scorer(ids, attention), expected, rtol=0, atol=1e-5)
+        with torch.no_grad():  # merging W + BA reorders float32 sums: rounding-level differences only
+            torch.testing.assert_close(scorer(ids, attention), expected, rtol=1e-5, atol=5e-5)
         assert load_reward_model(str(out)) is not None
 
 

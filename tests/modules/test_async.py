@@ -201,42 +201,84 @@ def alignlit_fit(tmp_path, policy_dir, prompts_file, *extra) -> list[str]:
     ]  # fmt: skip
 
 
+class KillAt(L.Callback):
+    """Test-only: SIGKILL the run's process group (the trainer and its rollout worker) at a chosen point of
+    rollout ``step`` (counted from 0): ``generating`` (the step starts: its batch may still be generated,
+    the next one is generated ahead), ``updating`` (the step's first optimiser step) or ``checkpointing``
+    (a timer of ``delay_ms`` started when the checkpoint after the step is being built: the kill lands in the
+    state gathering, the atomic write or just after it)."""
+
+    def __init__(self, step: int, phase: str, delay_ms: float = 0.0) -> None:
+        self.step, self.phase, self.delay_ms = step, phase, delay_ms
+
+    def _kill(self) -> None:
+        import signal
+
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.phase == "generating" and batch_idx == self.step:
+            self._kill()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if (
+            self.phase == "updating"
+            and trainer.fit_loop.epoch_loop.batch_progress.current.ready == self.step + 1
+        ):
+            self._kill()  # the step's first minibatch: its gradient is computed, the weights not yet changed
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        import threading
+
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if self.phase == "checkpointing" and ready == self.step + 1 and not getattr(self, "armed", False):
+            self.armed = True
+            threading.Timer(self.delay_ms / 1000, self._kill).start()
+
+
+def kill_points(seed: int) -> list[tuple[int, str, float]]:
+    """One kill point per phase, the steps and the timer drawn from ``seed`` (printed on failure)."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        (rng.randint(2, 4), phase, rng.uniform(0.0, 50.0))
+        for phase in ("generating", "updating", "checkpointing")
+    ]
+
+
 @pytest.mark.slow
 def test_kill_9_at_a_random_point_and_resume_is_exact(tiny_policy_dir, prompts_file, tmp_path):
-    """An uninterrupted run against a run SIGKILLed (with its worker) at a random moment after its first
-    checkpoint (generating ahead, updating, or writing a checkpoint), then resumed from its last.ckpt with
-    the same command: the exports are identical, bit for bit."""
-    import random
-    import signal
+    """An uninterrupted run against runs SIGKILLed (with the worker) at a point drawn at random in each
+    phase (generating ahead, updating, writing a checkpoint), each resumed from its last.ckpt with the same
+    command: every export is identical to the uninterrupted run's, bit for bit. The kill points are drawn
+    from a seed that the failure message names, so a failure can be replayed."""
     import subprocess
+
+    from safetensors.torch import load_file
 
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
     straight = tmp_path / "straight"
     straight.mkdir()
     subprocess.run(alignlit_fit(straight, tiny_policy_dir, prompts_file), cwd=straight, env=env, check=True,
                    capture_output=True, timeout=900)  # fmt: skip
-
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    last = killed / "out/quickstart/checkpoints/grpo-async/last.ckpt"
-    delay = random.Random(int(time.time())).uniform(0.0, 3.0)
-    process = subprocess.Popen(alignlit_fit(killed, tiny_policy_dir, prompts_file), cwd=killed, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    deadline = time.time() + 600
-    while not last.exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(delay)
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)  # the trainer and its rollout worker
-    process.wait(timeout=60)
-    assert last.exists(), "the run ended before its first checkpoint"
-    done = torch.load(last, weights_only=True)["policy_gradient_state"]["rollout"]["rollouts"]
-    assert 1 <= done < 6, f"killed after {done} of 6 rollouts"
-    subprocess.run(alignlit_fit(killed, tiny_policy_dir, prompts_file, f"--ckpt_path={last}"), cwd=killed,
-                   env=env, check=True, capture_output=True, timeout=900)  # fmt: skip
-
-    from safetensors.torch import load_file
-
     a = load_file(straight / "export" / "model.safetensors")
-    b = load_file(killed / "export" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"killed after +{delay:.2f} s"
+
+    seed = int(os.environ.get("ALIGNLIT_KILL_SEED", time.time()))
+    for step, phase, delay_ms in kill_points(seed):
+        where = f"seed {seed}: killed at step {step}, {phase} (+{delay_ms:.0f} ms)"
+        killed = tmp_path / f"killed-{phase}"
+        killed.mkdir()
+        last = killed / "out/quickstart/checkpoints/grpo-async/last.ckpt"
+        callback = json.dumps({"class_path": "tests.modules.test_async.KillAt",
+                               "init_args": {"step": step, "phase": phase, "delay_ms": delay_ms}})  # fmt: skip
+        process = subprocess.run(alignlit_fit(killed, tiny_policy_dir, prompts_file, f"--trainer.callbacks+={callback}"),
+                                 cwd=killed, env=env, capture_output=True, timeout=900, start_new_session=True)  # fmt: skip
+        assert process.returncode == -9, f"{where}: the run was not killed ({process.returncode})"
+        assert last.exists(), f"{where}: no checkpoint before the kill"
+        done = torch.load(last, weights_only=True)["policy_gradient_state"]["rollout"]["rollouts"]
+        assert 1 <= done < 6, f"{where}: killed after {done} of 6 rollouts"
+        subprocess.run(alignlit_fit(killed, tiny_policy_dir, prompts_file, f"--ckpt_path={last}"), cwd=killed,
+                       env=env, check=True, capture_output=True, timeout=900)  # fmt: skip
+        b = load_file(killed / "export" / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), where

@@ -167,7 +167,7 @@ def test_score_rollout_dispatch_and_errors(policy, tokenizer):
 
 
 def test_bad_loop_arguments():
-    with pytest.raises(ValueError, match="'hf' or 'vllm'"):
+    with pytest.raises(ValueError, match="'hf', 'vllm' or 'vllm_server', got 'tgi'"):
         RolloutLoop(engine="tgi")
     with pytest.raises(ValueError, match=r"sampling\.seed must be None"):
         RolloutLoop(sampling=SamplingParams(seed=3))
