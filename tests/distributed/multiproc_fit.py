@@ -12,6 +12,11 @@ from rank 0, the full weights of the models it trains to ``OUT/<stage>/weights.p
 rank, ``OUT/<stage>/rank-<r>.json`` (PPO: the KL coefficient and the running reward moments that rank
 holds; REINFORCE++ with an adaptive KL: the KL coefficient; the offline stages: the training losses).
 Under ``cuda`` each stage also exports its result to ``OUT/<stage>/export``.
+
+``grpo_served`` samples on served vLLM engines (``ALIGNLIT_TEST_ENDPOINTS``, comma-separated ``http://host:port``;
+run by tests/rollout/test_served.py) and records every rollout's samples. ``ALIGNLIT_TEST_CKPT=DIR`` saves a
+checkpoint after every step, ``ALIGNLIT_TEST_RESUME=CKPT`` resumes from one, and ``ALIGNLIT_TEST_KILL=PGID:STEP``
+has rank 0 kill that process group (an engine) when step ``STEP`` starts.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 STAGES = (
     "reward", "pairpref", "dpo", "rrhf", "ppo", "ppo_sharded", "grpo", "reinforce_pp_kl", "dpo_lora", "ppo_lora",
 )  # fmt: skip
-ONLINE = ("ppo", "grpo", "reinforce_pp_kl", "ppo_vllm")
+ONLINE = ("ppo", "grpo", "reinforce_pp_kl", "ppo_vllm", "grpo_served")
 """Stages whose run length is counted in rollouts (``ROLLOUTS``) rather than optimizer steps."""
 GLOBAL_BATCH = 4
 STEPS = 3
@@ -187,6 +192,18 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
             rollout=RolloutLoop(sampling=greedy, samples_per_prompt=2), minibatches=Minibatches(size=64),
         )  # fmt: skip
         return module, prompts
+    if stage == "grpo_served":  # every rank's prompts spread over the served engines; parity every sync
+        module = PolicyGradientModule(
+            policy, reward=length_reward, advantage="grpo", optim=optim, kl_loss_coef=0.5,
+            reference=str(work / "reference"),
+            rollout=RolloutLoop(
+                engine="vllm_server", endpoints=os.environ["ALIGNLIT_TEST_ENDPOINTS"].split(","),
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=4), samples_per_prompt=2,
+                parity_every=1, parity_tol=1e-3, vllm_args={"timeout_s": 120.0},
+            ),
+            minibatches=Minibatches(size=64),
+        )  # fmt: skip
+        return module, prompts
     if stage == "reinforce_pp_kl":  # whitening over the global batch, KL coefficient over its responses
         module = PolicyGradientModule(
             policy, reward=length_reward, advantage="reinforce_pp", optim=optim, reference=str(work / "reference"),
@@ -195,6 +212,35 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
         )  # fmt: skip
         return module, prompts
     raise ValueError(f"unknown stage {stage!r}")
+
+
+class _KillAt(L.Callback):
+    """Rank 0 kills a process group (an engine) when step ``step`` starts."""
+
+    def __init__(self, pgid: int, step: int) -> None:
+        self.pgid, self.step = pgid, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import signal
+
+        if trainer.global_rank == 0 and batch_idx == self.step:
+            os.killpg(self.pgid, signal.SIGKILL)
+
+
+def _record_samples(module) -> list[dict]:
+    """Every training rollout's prompts, texts, log-probs and versions, as this rank collected them."""
+    samples: list[dict] = []
+    collect = module.rollout.collect
+
+    def recording(prompts, reward, **kwargs):
+        experience = collect(prompts, reward, **kwargs)
+        r = experience.rollout
+        samples.append({"prompts": list(r.prompts), "texts": list(r.texts), "versions": experience.versions.tolist(),
+                        "logprobs": [row[m].tolist() for row, m in zip(r.logprobs, r.response_mask)]})  # fmt: skip
+        return experience
+
+    module.rollout.collect = recording
+    return samples
 
 
 class _Losses(L.Callback):
@@ -231,13 +277,26 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
                         for k, v in getattr(model, "hf_model", model).state_dict().items()}, out / stage / "init.pt")  # fmt: skip
         online = stage in ONLINE
         losses = _Losses()
+        callbacks: list = [] if online else [losses]
+        ckpt_dir, resume, kill = (
+            os.environ.get(k) for k in ("ALIGNLIT_TEST_CKPT", "ALIGNLIT_TEST_RESUME", "ALIGNLIT_TEST_KILL")
+        )
+        if ckpt_dir:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(
+                ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True, save_top_k=-1)
+            )
+        if kill:
+            callbacks.append(_KillAt(*map(int, kill.split(":"))))
+        samples = _record_samples(module) if stage == "grpo_served" else []
         trainer = L.Trainer(
-            **hardware, logger=False, enable_checkpointing=False, callbacks=[] if online else [losses],
+            **hardware, logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
             use_distributed_sampler=False, default_root_dir=str(out / stage),
             **({"max_epochs": 1, "limit_train_batches": ROLLOUTS} if online else {"max_steps": STEPS}),
         )  # fmt: skip
-        trainer.fit(module, data)
+        trainer.fit(module, data, ckpt_path=resume or None)
         weights = {
             f"{name}.{key}": value
             for name, model in _trained(module).items()
@@ -254,6 +313,12 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
             state["engine_here"] = getattr(module.rollout.engine, "llm", None) is not None
             state["history"] = [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/"))}
                                 for h in module.history]  # fmt: skip
+        if stage == "grpo_served":
+            engine = module.rollout.engine
+            state = {"samples": samples, "weight_pushes": engine.weight_pushes, "version": engine.version,
+                     "label": engine.label, "requests": engine.requests_per_engine,
+                     "parity": [h["rollout/parity_max_abs_diff"] for h in module.history
+                                if "rollout/parity_max_abs_diff" in h]}  # fmt: skip
         if stage == "ppo_sharded":
             state = {"sharded": [any(type(p).__name__ == "DTensor" for p in m.parameters())
                                  for m in (module.reference, module.reward_model)]}  # fmt: skip

@@ -7,8 +7,8 @@ module each: ``alignlit sim …`` (:mod:`alignlit.cli.sim`, simulated-feedback d
 (:mod:`alignlit.cli.eval`, gold-reward evaluation of policies), ``alignlit sample …``
 (:mod:`alignlit.cli.sample`, n responses per prompt ranked by a reward: best-of-n, DPO pairs,
 rejection-sampling data), ``alignlit score …`` (:mod:`alignlit.cli.score`, score records with a trained
-reward model). The library functions these tools call live in the library packages
-(``alignlit.eval``, ``alignlit.rollout``, ``alignlit.sim``); nothing below ``alignlit.cli`` imports it.
+reward model), ``alignlit serve …`` (:mod:`alignlit.cli.serve`, a vLLM rollout engine server). The library
+functions these tools call live in the library packages (``alignlit.eval``, ``alignlit.rollout``, ``alignlit.sim``); nothing below ``alignlit.cli`` imports it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ TOOLS = {
     "eval": "alignlit.cli.eval",
     "sample": "alignlit.cli.sample",
     "score": "alignlit.cli.score",
+    "serve": "alignlit.cli.serve",
 }
 
 USAGE = """usage: alignlit {fit,validate,test,predict} --config STAGE.yaml [--key value ...]
@@ -32,6 +33,7 @@ USAGE = """usage: alignlit {fit,validate,test,predict} --config STAGE.yaml [--ke
        alignlit eval --sim DIR --policy DIR [...]
        alignlit sample --policy DIR --prompts FILE --n N --out ranked.jsonl [--scorer RM_DIR|gold] [...]
        alignlit score --model RM_DIR (--input FILE --output scores.jsonl | --pairs FILE)
+       alignlit serve MODEL_DIR [--port P] [-- vllm serve args]   (a rollout engine for engine: vllm_server)
 
 Run `alignlit fit --help` for the training stages and `alignlit <tool> --help` for the tools."""
 

@@ -1,0 +1,139 @@
+"""Weight sync into served vLLM engines: the collective push (gloo broadcast) against the file path (safetensors
+in /dev/shm, loaded by the engine), on a Llama of a few hundred MB with random weights built from its config.
+
+Starts ``--engines`` engines with ``alignlit serve`` (CPU here), pushes the same state ``--repeats`` times each
+way (after one warm-up push each), with and without the checksum verification, and checks after every push
+that each engine holds the label (and, once per mode, log-prob parity of a short rollout against the model).
+Prints a table and writes ``benchmarks/results/weight_sync.json`` (``--out``).
+
+    python benchmarks/bench_weight_sync.py                        # hidden 1024, 12 layers: ~570 MB float32
+    python benchmarks/bench_weight_sync.py --engines 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from alignlit.models import export_pretrained, train_bpe_tokenizer
+from alignlit.rollout import SamplingParams, check_parity
+from alignlit.rollout.server import EngineProcess, ServedVLLMEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(args, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64, head_dim=64,
+        intermediate_size=args.intermediate, max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--engines", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--work", default=None, help="folder for the model (default: a temporary one)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "weight_sync.json"))
+    args = p.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    texts = [
+        f"\n\nHuman: sort {' '.join('abcdefgh'[(i + j) % 8] for j in range(4))}\n\nAssistant: ok"
+        for i in range(400)
+    ]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=320, out_dir=work / "tokenizer")
+    from alignlit.models import load_tokenizer
+
+    tokenizer = load_tokenizer(work / "tokenizer")
+    model = build_model(args, tokenizer)
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    export_pretrained(model, tokenizer, work / "policy", stage="init")
+    print(f"model: {params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB float32", flush=True)
+
+    cores = max(1, os.cpu_count() or 1)
+    start = time.perf_counter()
+    engines = [
+        EngineProcess(work / "policy", _free_port(), extra=["--max-model-len", "512"], log=work / f"engine-{k}.log",
+                      env={"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "VLLM_LOGGING_LEVEL": "WARNING"})
+        for k in range(args.engines)
+    ]  # fmt: skip
+    try:
+        for e in engines:
+            e.wait_ready(1800)
+        startup = time.perf_counter() - start
+        results = []
+        moved = {k: v + 0.01 for k, v in model.state_dict().items()}
+        for mode in ("collective", "file"):
+            for verify in (True, False):
+                client = ServedVLLMEngine([e.url for e in engines], tokenizer, model_config=model.config,
+                                          weight_sync=mode, bucket_mb=args.bucket_mb, verify=verify)  # fmt: skip
+                client.load_weights(0, moved)  # warm-up (and, collective: forming the group)
+                first = dict(client.last_push)
+                totals, parts = [], []
+                for r in range(args.repeats):
+                    state = model.state_dict() if r % 2 == 0 else moved
+                    t0 = time.perf_counter()
+                    client.load_weights(r + 1, state)
+                    totals.append(time.perf_counter() - t0)
+                    parts.append(dict(client.last_push))
+                model_now = model if (args.repeats - 1) % 2 == 0 else None
+                parity = None
+                if model_now is not None and verify:
+                    rollout = client.generate(["\n\nHuman: sort a b\n\nAssistant:"], 2,
+                                              SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))  # fmt: skip
+                    parity = check_parity(model, rollout, temperature=1.0, tol=1e-3)["max_abs_diff"]
+                row = {
+                    "mode": mode, "verify": verify, "engines": args.engines, "repeats": args.repeats,
+                    "median_s": statistics.median(totals), "min_s": min(totals), "max_s": max(totals),
+                    "first_push_s": first.get("total_s"),
+                    "parts_median": {k: statistics.median(p[k] for p in parts) for k in parts[0]},
+                    "parity_max_abs_diff": parity,
+                }  # fmt: skip
+                results.append(row)
+                print(f"{mode:10s} verify={verify!s:5s}: median {row['median_s']:.2f} s "
+                      f"(min {row['min_s']:.2f}, max {row['max_s']:.2f}) parts {row['parts_median']}", flush=True)  # fmt: skip
+                client.close()
+    finally:
+        for e in engines:
+            e.stop()
+    out = {
+        "model": {"hidden": args.hidden, "layers": args.layers, "intermediate": args.intermediate, "vocab": args.vocab,
+                  "parameters": params, "bytes": nbytes, "dtype": "float32"},
+        "bucket_mb": args.bucket_mb, "engine_startup_s": startup,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                    "device": "cpu", "backend": "gloo (collective); safetensors in /dev/shm (file)"},
+        "results": results,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

