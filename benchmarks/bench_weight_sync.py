@@ -26,7 +26,8 @@ import torch
 
 from alignlit.models import export_pretrained, train_bpe_tokenizer
 from alignlit.rollout import SamplingParams, check_parity
-from alignlit.rollout.server import EngineProcess, ServedVLLMEngine
+from alignlit.rollout.endpoint import EngineProcess
+from alignlit.rollout.server import ServedVLLMEngine
 
 
 def _free_port() -> int:
@@ -132,7 +133,29 @@ def main() -> None:
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    table = markdown(out)
+    Path(args.out).with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
+
+
+def markdown(out: dict) -> str:
+    m = out["model"]
+    lines = [
+        f"Weight sync into {out['results'][0]['engines']} served vLLM engine(s) (CPU): a Llama of "
+        f"{m['parameters'] / 1e6:.0f}M parameters, {m['bytes'] / 2**20:.0f} MiB {m['dtype']}, "
+        f"{out['results'][0]['repeats']} pushes per row after a warm-up; buckets of {out['bucket_mb']:g} MB.",
+        "",
+        "| path | checksum verified | median (s) | min (s) | max (s) | MiB/s | parity max abs diff |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in out["results"]:
+        parity = "" if r["parity_max_abs_diff"] is None else f"{r['parity_max_abs_diff']:.1e}"
+        lines.append(
+            f"| {r['mode']} | {'yes' if r['verify'] else 'no'} | {r['median_s']:.2f} | {r['min_s']:.2f} | "
+            f"{r['max_s']:.2f} | {m['bytes'] / 2**20 / r['median_s']:.0f} | {parity} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

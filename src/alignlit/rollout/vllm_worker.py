@@ -47,7 +47,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     buckets: list[int]
-    checksum: float | None = None
+    checksum: int | None = None
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -62,7 +62,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
-        self.last_checksum: float | None = None
+        self.last_checksum: int | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -135,7 +135,7 @@ class AlignlitWorkerExtension:
             "generation_config": str(model_config.generation_config),
         }
 
-    def alignlit_load_file(self, folder: str, checksum: float | None) -> dict:
+    def alignlit_load_file(self, folder: str, checksum: int | None) -> dict:
         """Load ``folder/model.safetensors`` into the model (vLLM's ``reload_weights``); checks the checksum."""
         from pathlib import Path
 

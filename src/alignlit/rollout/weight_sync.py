@@ -17,36 +17,28 @@ weight-transfer HTTP routes (``/init_weight_transfer_engine``, ``/start_weight_u
    every sampled token with the label of the weights that sampled it, which the client checks on every sample;
 5. the prefix cache is reset (no KV block of the old weights is reused) and generation resumes.
 
-The file fallback (:meth:`EngineHTTP.load_file`) writes the state as safetensors into a folder both sides see
+The file fallback (:meth:`alignlit.rollout.endpoint.EngineHTTP.load_file`) writes the state as safetensors into a folder both sides see
 and has every engine load it through the same extension (checksum and label alike).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import socket
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from alignlit.rollout.hf_worker import WeightSyncError, state_checksum
+from alignlit.rollout.endpoint import EngineHTTP, run_all
+from alignlit.rollout.hf_worker import WeightSyncError, state_checksum, tensor_checksum
 
 GROUP_PREFIX = "alignlit-weights"
 ALIGN = 16
 """Every tensor starts at a multiple of this many bytes in a bucket (a view of another dtype needs it)."""
-
-
-class EngineError(RuntimeError):
-    """A served engine did not answer, answered an error, or died: the message names the endpoint."""
 
 
 # ---------------------------------------------------------------------------------------------- wire format
@@ -110,17 +102,14 @@ def unpack(
     return out
 
 
-def checksum_terms(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, float]:
+def checksum_terms(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> dict[str, int]:
     """Each tensor's term of :func:`~alignlit.rollout.hf_worker.state_checksum`; :func:`combine` of all terms
-    equals the checksum of the whole state, bit for bit."""
-    return {name: state_checksum({name: t}) for name, t in zip(names, tensors)}
+    equals the checksum of the whole state exactly (integers), whatever the buckets."""
+    return {name: tensor_checksum(name, t) for name, t in zip(names, tensors)}
 
 
-def combine(terms: dict[str, float]) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    for name in sorted(terms):
-        total += terms[name]
-    return float(total)
+def combine(terms: dict[str, int]) -> int:
+    return sum(terms.values()) % 2**64
 
 
 @dataclass
@@ -132,7 +121,7 @@ class WirePlan:
     dtype_names: list[str]
     shapes: list[list[int]]
     buckets: list[int]
-    checksum: float | None = None
+    checksum: int | None = None
 
     @classmethod
     def of(cls, state: dict[str, torch.Tensor], bucket_bytes: int, verify: bool = True) -> WirePlan:
@@ -191,123 +180,6 @@ def route_address(host: str, port: int) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-# ---------------------------------------------------------------------------------------------- HTTP
-class EngineHTTP:
-    """One served engine's HTTP endpoint (``http://host:port``): vLLM's routes, errors naming the endpoint."""
-
-    def __init__(self, url: str, timeout_s: float = 600.0):
-        url = url.rstrip("/")
-        if "://" not in url:
-            url = "http://" + url
-        self.url = url
-        self.timeout_s = timeout_s
-        parsed = urllib.parse.urlparse(url)
-        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
-
-    def __repr__(self) -> str:
-        return f"EngineHTTP({self.url})"
-
-    def call(
-        self, path: str, body: Any = None, *, what: str, method: str | None = None, timeout_s=None
-    ) -> Any:
-        """``POST`` (``GET`` without a body) ``path``; the decoded JSON answer (None when empty)."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method=method or ("POST" if body is not None else "GET"),
-            headers={"Content-Type": "application/json"},
-        )
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[-2000:]
-            raise EngineError(
-                f"rollout engine {self.url} answered HTTP {err.code} to {path} while {what}: {detail}"
-            ) from None
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            kind = "timed out" if isinstance(reason, TimeoutError) or "timed out" in str(reason) else "failed"
-            raise EngineError(
-                f"rollout engine {self.url} {kind} ({reason}) on {path} while {what}"
-                + (f" (timeout {timeout:.0f} s)" if kind == "timed out" else "")
-                + ": is the engine process alive? (alignlit serve / vllm serve)"
-            ) from None
-        return json.loads(raw) if raw.strip() else None
-
-    def rpc(self, method: str, *args, what: str, timeout_s=None) -> Any:
-        """A worker-extension method through vLLM's ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``); the
-        first worker's answer."""
-        answer = self.call(
-            "/collective_rpc", {"method": method, "args": list(args)}, what=what, timeout_s=timeout_s
-        )
-        results = (answer or {}).get("results")
-        if not results:
-            raise EngineError(f"rollout engine {self.url} gave no answer to {method} while {what}")
-        return results[0]
-
-    def weight_version(self) -> str:
-        return str(self.call("/weight_info", what="reading its weight version")["weight_version"])
-
-    def wait_ready(self, deadline_s: float = 300.0, *, process=None) -> None:
-        """Wait until ``/health`` answers (``process``: the engine's ``Popen``, to stop waiting if it dies)."""
-        start = time.monotonic()
-        while True:
-            try:
-                self.call("/health", what="waiting for it to start", timeout_s=5)
-                return
-            except EngineError as err:
-                if process is not None and process.poll() is not None:
-                    raise EngineError(
-                        f"rollout engine {self.url} exited with code {process.returncode}"
-                    ) from err
-                if time.monotonic() - start > deadline_s:
-                    raise EngineError(
-                        f"rollout engine {self.url} did not start in {deadline_s:.0f} s"
-                    ) from err
-                time.sleep(1.0)
-
-    # ------------------------------------------------------------------ weight-transfer routes (vLLM's)
-    def load_file(self, folder: str, label: str, checksum: float | None) -> None:
-        """The file fallback: the engine loads ``folder``'s safetensors and labels them ``label``."""
-        self.call("/pause?mode=wait&clear_cache=false", {}, what="pausing before a weight update")
-        try:
-            got = self.rpc(
-                "alignlit_load_file", folder, checksum, what=f"loading weights {label} from {folder}"
-            )
-            if isinstance(got, str):
-                raise EngineError(f"rollout engine {self.url} failed to load {folder}: {got}")
-            self.call("/update_weight_version", {"new_version": label}, what=f"labelling weights {label}")
-            self.reset_prefix_cache(label)
-        finally:
-            self.call("/resume", {}, what="resuming after a weight update")
-
-    def reset_prefix_cache(self, label: str) -> None:
-        answer = self.call(
-            "/reset_prefix_cache", {}, what=f"resetting its prefix cache after weights {label}"
-        )
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise EngineError(
-                f"rollout engine {self.url} could not reset its prefix cache after weights {label}: cached KV "
-                "blocks of the old weights would be reused"
-            )
-
-
-def run_all(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Run every call in a thread of its own; the results in order, or the first error (after all ended)."""
-    if len(calls) == 1:
-        return [calls[0]()]
-    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-        futures = [pool.submit(c) for c in calls]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
-        return [f.result() for f in futures]
 
 
 class CollectivePush:
