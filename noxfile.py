@@ -72,14 +72,14 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Unit and integration tests (everything but the `slow` and `vllm` marks)."""
     install(session)
-    session.run("pytest", "-m", "not slow and not vllm", *session.posargs, env=ENV)
+    session.run("pytest", "-m", "not slow and not vllm", "--durations=15", *session.posargs, env=ENV)
 
 
 @nox.session
 def slow(session: nox.Session) -> None:
     """End-to-end runs of the shipped configs and CLI pipelines at reduced size."""
     install(session)
-    session.run("pytest", "-m", "slow", *session.posargs, env=ENV)
+    session.run("pytest", "-m", "slow", "--durations=15", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -97,7 +97,7 @@ def vllm(session: nox.Session) -> None:
     # ALIGNLIT_REQUIRE_VLLM turns the "vllm not installed" skip into an error: this session cannot pass
     # by skipping everything
     env = {**ENV, "ALIGNLIT_REQUIRE_VLLM": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    session.run("pytest", "-m", "vllm", *session.posargs, env=env)
+    session.run("pytest", "-m", "vllm", "--durations=15", *session.posargs, env=env)
 
 
 # The online stage of the quickstart, (config name, row name in the table): any online config under
