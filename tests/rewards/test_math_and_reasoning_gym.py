@@ -3,6 +3,9 @@ feeds GRPO; reasoning-gym as a single-turn verifiable environment through the ep
 
 from __future__ import annotations
 
+import ast
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -63,6 +66,42 @@ def test_reasoning_gym_task_scores_known_answers():
         )
         assert got.tolist() == [1.0, 1.0, 0.0, 1.0]
     assert extract_answer("think... <answer>12</answer> then <answer>13</answer>") == "13"
+
+
+def _evaluate(expression: str) -> int:
+    """An arithmetic expression of integers, + - * / and brackets, evaluated by Python's own parser
+    (an answer independent of reasoning-gym's); integral results only."""
+    tree = ast.parse(expression.replace("−", "-"), mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div)
+    allowed += (ast.USub, ast.UAdd)
+    assert all(isinstance(node, allowed) for node in ast.walk(tree)), expression
+    value = eval(compile(tree, "<question>", "eval"))  # only numbers and operators, checked above
+    assert float(value).is_integer(), (expression, value)
+    return int(value)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "pattern"),
+    [
+        ("chain_sum", r"problem: (.*) =$"),
+        ("basic_arithmetic", r"^Calculate (.*)\.$"),
+    ],
+)
+def test_reasoning_gym_scores_answers_we_computed(dataset, pattern):
+    """The reward of answers computed here from the question text (not the dataset's answer field):
+    1 for the value, 1 inside <answer> tags, 0 for value + 1 and for value - 1."""
+    config = {"min_terms": 2, "max_terms": 4, "max_digits": 2} if dataset == "basic_arithmetic" else None
+    task = ReasoningGymTask(dataset, size=12, val_size=0, seed=11, config=config)
+    reward = ReasoningGymReward(dataset, size=12, val_size=0, seed=11, config=config)
+    checked = 0
+    for prompt, entry in zip(task.prompts(), task.train):
+        match = re.search(pattern, entry["question"].strip())
+        assert match, entry["question"]
+        value = _evaluate(match.group(1))
+        responses = [f" {value}", f" so <answer>{value}</answer>", f" {value + 1}", f" {value - 1}"]
+        assert reward([prompt] * 4, responses).tolist() == [1.0, 1.0, 0.0, 0.0], entry["question"]
+        checked += 1
+    assert checked == 12
 
 
 def test_reasoning_gym_as_a_single_turn_environment(tokenizer):

@@ -170,6 +170,37 @@ def test_sim_hint_environment_and_gold():
     torch.testing.assert_close(gold([PROMPT] * 3, transcripts), torch.tensor([0.8, 1.0, 1 / 3]))
 
 
+def test_sim_hint_environment_exact_correctness():
+    """correctness="exact": the final answer's symbols right or nothing, verbosity and harm as in gold.
+    sort c a d (answer a c d): " a d c ok" (a swap, one extra word) scores 0 - 0.1 (partial: 1/3 - 0.1);
+    " a c d ok done" 1 - 0.2; " damn a c d" 1 - 0.1 - 1; after a hint (cost 0.3) " a c" scores 0 - 0.3."""
+    exact = SimHintEnvironment(attempts=1, correctness="exact")
+    partial = SimHintEnvironment(attempts=1)
+    for response, want_exact, want_partial in [
+        (" a d c ok", -0.1, 1 / 3 - 0.1),
+        (" a c d ok done", 0.8, 0.8),
+        (" damn a c d", -0.1, -0.1),
+        (" c", 0.0, 1 / 3),
+    ]:
+        exact.reset(PROMPT, seed=0), partial.reset(PROMPT, seed=0)
+        assert exact.step(response)[1] == pytest.approx(want_exact), response
+        assert partial.step(response)[1] == pytest.approx(want_partial), response
+    two = SimHintEnvironment(attempts=2, turn_cost=0.3, correctness="exact")
+    two.reset(PROMPT, seed=0)
+    assert two.step(" a d c") == ("\n\nHuman: copy a c d\n\nAssistant:", -0.3, False)
+    assert two.step(" a c") == ("", 0.0, True)
+    transcripts = [
+        " a d c\n\nHuman: copy a c d\n\nAssistant: a c",
+        " a d c\n\nHuman: copy a c d\n\nAssistant: a c d",
+    ]
+    got = SimEpisodeGold(turn_cost=0.3, correctness="exact")([PROMPT] * 2, transcripts)
+    torch.testing.assert_close(got, torch.tensor([-0.3, 0.7]))
+    with pytest.raises(ValueError, match="correctness"):
+        SimHintEnvironment(correctness="binary")
+    with pytest.raises(ValueError, match="correctness"):
+        SimEpisodeGold(correctness="binary")
+
+
 # ---------------------------------------------------------------------- ops on masks with gaps
 def test_kl_penalized_rewards_with_turns_and_gaps():
     """Row [m m e e m . ]: turn rewards -0.25 (position 1) and 1.0 (position 4) of a return 0.75 plus 0.5 of

@@ -5,6 +5,7 @@ with an environment from the rollout loop, and kill-and-resume of a multi-turn G
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,7 +14,7 @@ import torch
 from alignlit.data import PromptDataModule
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule, PPOModule
 from alignlit.rollout import EpisodeReturn, RolloutLoop, SamplingParams
-from alignlit.sim import SimEpisodeGold, SimHintEnvironment
+from alignlit.sim import SimEpisodeGold, SimHintEnvironment, make_data
 
 PROMPTS = [
     f"\n\nHuman: {op} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
@@ -176,3 +177,40 @@ def test_multiturn_grpo_with_asynchronous_rollouts(tiny_policy_dir, data_dir, tm
     train = [h for h in module.history if "time/train_s" in h]
     assert [h["async/staleness_max"] for h in train] == [0, 1]
     assert all("episode/turns" in h for h in train) and trainer.global_step >= 1
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["grpo-multiturn", "ppo-multiturn"])
+def test_multiturn_config_tiny_fit(name, tiny_policy_dir, tmp_path, monkeypatch):
+    """The shipped quickstart config runs two rollouts through the CLI as written (its data/sim paths
+    answered by a small make-data directory), only the policy (and critic) swapped for the tiny one: the
+    episodes, their gold and the checkpoint are there."""
+    from alignlit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    make_data("data/sim", n_sft=4, n_pairs=2, n_prompts=8, n_val=4, n_test=2)
+    critic = [f"--model.init_args.critic={tiny_policy_dir}", "--model.init_args.critic_pretrain_rollouts=1"]
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / f"configs/quickstart/{name}.yaml"),
+            f"--model.init_args.policy={tiny_policy_dir}",
+            *(critic if name.startswith("ppo") else []),
+            "--model.init_args.export_dir=export",
+            "--data.init_args.batch_size=2",
+            "--data.init_args.eval_batch_size=4",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2",
+        ]
+    )
+    assert (tmp_path / "export" / "config.json").exists()
+    curves = next((tmp_path / "out" / "quickstart" / "logs").rglob("*_curves.json"))
+    history = json.loads(curves.read_text())
+    train = [h for h in history if "episode/turns" in h and "time/train_s" in h]
+    assert len(train) == 2 and all(1 <= h["episode/turns"] <= 2 for h in train)
+    assert len([h for h in history if "val/gold" in h]) == 2  # before training and after 2 rollouts
+    assert (tmp_path / f"out/quickstart/checkpoints/{name}/last.ckpt").exists()

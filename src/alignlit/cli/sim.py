@@ -1,6 +1,7 @@
 """``alignlit sim``: write the simulated data set, or show examples with their gold reward.
 
 alignlit sim make-data --out data/sim [--seed 0] [--n-sft 20000] [--n-pairs 10000] ...
+alignlit sim make-multiturn-data --sim data/sim [--hint answer] [--n-train 5000] [--n-val 250]
 alignlit sim show [--n 5] [--split train] [--demos 4]
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.data import make_data
+from alignlit.sim.multiturn import HINTS, write_multiturn_sft
 from alignlit.sim.task import SimTask
 from alignlit.sim.tokenizer import write_tokenizer
 
@@ -125,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(0: skip; default: %(default)s)",
     )
 
+    multi = commands.add_parser(
+        "make-multiturn-data",
+        help="write sft_multiturn_{train,val}.jsonl: the SFT rows plus second-turn demonstrations of the hint task",
+    )
+    multi.add_argument("--sim", required=True, help="a make-data directory (its SFT rows and tokenizer)")
+    multi.add_argument("--hint", default=_default(write_multiturn_sft, "hint"), choices=sorted(HINTS))
+    for split in ("train", "val"):
+        multi.add_argument(
+            f"--n-{split}",
+            type=int,
+            default=_default(write_multiturn_sft, f"n_{split}"),
+            help=f"second-turn demonstrations added to sft_{split}.jsonl's rows (default: %(default)s)",
+        )
+    multi.add_argument("--seed", type=int, default=_default(write_multiturn_sft, "seed"))
+
     show = commands.add_parser("show", help="print a few prompts with demonstrations and their gold reward")
     _add_task_args(show)
     show.add_argument("--split", default="train", choices=("train", "val", "test"))
@@ -140,6 +157,14 @@ def _fmt(value: float | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``alignlit sim``; ``argv`` is what follows ``sim`` on the command line."""
     args = build_parser().parse_args(argv)
+    if args.command == "make-multiturn-data":
+        rows = write_multiturn_sft(
+            args.sim, n_train=args.n_train, n_val=args.n_val, hint=args.hint, seed=args.seed
+        )
+        print(f"wrote {args.sim}:")
+        for name, count in rows.items():
+            print(f"  {name:<26} {count:>7} rows")
+        return 0
     task = _task(args)
     if args.command == "make-data":
         annotator = Annotator(
