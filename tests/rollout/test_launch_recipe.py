@@ -70,6 +70,7 @@ def test_the_single_machine_recipe_trains_on_two_served_engines_and_stops_them(t
          "--model.init_args.rollout.parity_every=1", f"--data.init_args.train_file={prompts}",
          "--data.init_args.val_file=null", "--data.init_args.batch_size=2", "--trainer.limit_train_batches=2",
          "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
+         f"--trainer.default_root_dir={tmp_path / 'run'}",
          "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
