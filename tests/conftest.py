@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -22,6 +23,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def require_vllm() -> None:
+    """vLLM tests skip with the reason where vLLM is not installed, except under ``ALIGNLIT_REQUIRE_VLLM=1``
+    (``nox -s vllm``), where a missing vLLM is an error: that session cannot pass by skipping everything."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
+            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
+        pytest.skip("vllm is not installed (install it with .ci/install-vllm.sh; `nox -s vllm` runs these)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vllm_module(request):
+    """A module marked ``vllm`` checks before its module-scoped fixtures (e.g. engines) start."""
+    if request.node.get_closest_marker("vllm") is not None:
+        require_vllm()
+
+
+@pytest.fixture(autouse=True)
+def _vllm_test(request):
+    if request.node.get_closest_marker("vllm") is not None:
+        require_vllm()
 
 
 def dialogue_texts(n: int = 400) -> list[str]:

@@ -4,9 +4,7 @@ exact resume, the length diagnostics, ranking with a pairwise preference model, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -545,10 +543,6 @@ def test_config_tiny_fit(tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_di
 def test_online_dpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     """Two iterations with `rollout.engine: vllm`: the engine is synced after the first iteration's updates
     and the parity check (every sync) passes, so the second iteration samples the updated policy."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable")
-        pytest.skip("vllm is not installed (`nox -s vllm` runs this)")
     policy_dir = tmp_path / "policy"
     export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, policy_dir, stage="init")
     module = make_module(

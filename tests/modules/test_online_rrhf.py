@@ -4,9 +4,7 @@ other sources, exact resume, the config through the CLI."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -307,10 +305,6 @@ def test_config_tiny_fit(tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_di
 @pytest.mark.vllm
 def test_online_rrhf_with_vllm_engine(tmp_path, tokenizer, data_dir):
     """Two resamples with `rollout.engine: vllm`: synced after the first resample's updates, parity holds."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable")
-        pytest.skip("vllm is not installed (`nox -s vllm` runs this)")
     policy_dir = tmp_path / "policy"
     export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, policy_dir, stage="init")
     module = make_module(

@@ -3,10 +3,8 @@ placement, reward normalisation, critic pre-training, reference baseline, exact 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import lightning as L
@@ -449,10 +447,6 @@ def test_config_tiny_fit(config, tmp_path, monkeypatch, tiny_policy_dir, rm_dir,
 def test_ppo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     """Two PPO rollouts with `rollout.engine: vllm`: weights are synced after the policy update and
     the parity check (every sync) passes, so the second rollout is on-policy."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable")
-        pytest.skip("vllm is not installed (`nox -s vllm` runs this)")
     policy_dir = tmp_path / "policy"
     export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, policy_dir, stage="init")
     module = PPOModule(

@@ -50,8 +50,6 @@ def _pids_listening(port: int) -> bool:
 
 
 def test_the_single_machine_recipe_trains_on_two_served_engines_and_stops_them(tmp_path, tokenizer):
-    if os.environ.get("ALIGNLIT_REQUIRE_VLLM") != "1":
-        pytest.importorskip("vllm", reason="vllm is not installed (`nox -s vllm` runs this)")
     from alignlit.models import export_pretrained, make_tiny_llama
 
     policy = tmp_path / "policy"

@@ -11,7 +11,6 @@ killed engine's error and the resumed run with the uninterrupted one. Run with `
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import socket
@@ -39,16 +38,6 @@ PROMPTS = [
     "\n\nHuman: dedupe a a b\n\nAssistant:",
     "\n\nHuman: sort h a\n\nAssistant:",
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _need_vllm():
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
-        pytest.skip(
-            "vllm is not installed (install the vllm extra, see .ci/install-vllm.sh; `nox -s vllm` runs these)"
-        )
 
 
 def _free_port() -> int:

