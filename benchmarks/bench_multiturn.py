@@ -1,22 +1,27 @@
 """Multi-turn GRPO with the hint environment vs single-turn GRPO at equal generated tokens (simulated task).
 
-Arms (both GRPO from the quickstart SFT policy, reward = the episode's return, KL loss 0.04, the
-grpo-multiturn.yaml settings otherwise):
+Both arms start from one SFT policy that has seen second turns: ``--sft``, trained on the single-turn
+demonstrations plus multi-turn ones (``alignlit sim make-multiturn-data``: a wrong first answer, its EOS, the
+environment's hint, a demonstration of the right answer; ``configs/quickstart/sft-multiturn.yaml``). Arms
+(reward = the episode's return, KL loss 0.04, the grpo-multiturn.yaml settings otherwise):
 
 - ``multi``: :class:`alignlit.sim.SimHintEnvironment` with 2 attempts: a wrong first answer gets the hint
-  (``copy <answer>``) and a second try; each hint costs ``--turn-cost``. Episode gold =
+  (``--hint``, default ``copy <answer>``) and a second try; each hint costs ``--turn-cost``. Episode gold =
   g(x, final answer) - cost · (turns - 1).
 - ``single``: the same environment with 1 attempt (the single-turn task; gold = g(x, y)), trained until it
-  has generated as many model tokens as the ``multi`` run of the same seed (equal generated tokens).
+  has generated as many model tokens as the ``multi`` run of the same seed and lr (equal generated tokens).
 
 Protocol: each learning rate of ``--lrs`` is trained with the first seed and scored on ``--val-prompts``
 prompts of prompts_val (each arm in its own setting); the best lr per arm is trained with every seed in
-``--seeds`` and reported on ``--test-prompts`` prompts of prompts_test (T = 1, seed 0): final gold ±
-s.e. across seeds, turns per episode, first answers right, hints used (second answers right after a
-hint), and, as controls, the SFT policy and the single-turn policy evaluated inside the environment. The
-test prompts and gold never enter training or selection. Writes ``benchmarks/results/multiturn.{md,json,png}``.
+``--seeds`` and reported on ``--test-prompts`` prompts of prompts_test (T = 1, seed 0): final gold ± s.e.
+across seeds, the paired multi − single difference per seed, turns per episode, first answers right,
+hinted episodes, second answers right after a hint; as controls the SFT policies and the single-turn
+policy evaluated inside the environment. Test prompts and gold never enter training or selection (a run's
+policy is saved and evaluated on test only once its lr is chosen). Finished runs are skipped when rerun
+(``--out``), so a campaign can be split into chunks. Writes ``benchmarks/results/<name>.{md,json,png}``.
 
-    python benchmarks/bench_multiturn.py --sim-dir data/sim --sft out/quickstart/sft
+    python benchmarks/bench_multiturn.py --sim-dir data/sim --sft out/quickstart/sft-multiturn \\
+        --sft-single out/quickstart/sft
 """
 
 from __future__ import annotations
@@ -38,11 +43,26 @@ from alignlit.rollout import EpisodeReturn, HFEngine, RolloutLoop, SamplingParam
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STATS = ("gold", "turns", "first_right", "hinted", "second_right_after_hint", "model_tokens")
 
 
 def environment(args, arm: str) -> SimHintEnvironment:
     attempts = 2 if arm == "multi" else 1
-    return SimHintEnvironment(args.sim_dir, attempts=attempts, turn_cost=args.turn_cost, hint="answer")
+    return SimHintEnvironment(
+        args.sim_dir,
+        attempts=attempts,
+        turn_cost=args.turn_cost,
+        hint=args.hint,
+        correctness=args.correctness,
+    )
+
+
+def limits(arm: str) -> dict[str, int]:
+    return (
+        {"max_turns": 2, "max_episode_tokens": 64}
+        if arm == "multi"
+        else {"max_turns": 1, "max_episode_tokens": 24}
+    )
 
 
 class TokenBudget(L.Callback):
@@ -50,25 +70,25 @@ class TokenBudget(L.Callback):
 
     def __init__(self, budget: int | None):
         self.budget, self.tokens, self.rollouts = budget, 0, 0
+        self.turns: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         last = module.history[-1]
         self.tokens += round(last["episode/model_tokens"] * last["rollout/samples"])
         self.rollouts += 1
+        self.turns.append(last["episode/turns"])
         if self.budget is not None and self.tokens >= self.budget:
             trainer.should_stop = True
 
 
-def train(args, arm: str, lr: float, seed: int, budget: int | None, out: Path):
+def train(args, arm: str, lr: float, seed: int, budget: int | None, out: Path) -> dict:
     L.seed_everything(seed, verbose=False)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=24)
     loop = RolloutLoop(
-        sampling=sampling,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=24),
         samples_per_prompt=args.n,
         seed=seed,
         environment=environment(args, arm),
-        max_turns=2 if arm == "multi" else 1,
-        max_episode_tokens=64 if arm == "multi" else 24,
+        **limits(arm),
     )
     module = PolicyGradientModule(
         policy=args.sft,
@@ -83,11 +103,10 @@ def train(args, arm: str, lr: float, seed: int, budget: int | None, out: Path):
         max_grad_norm=1.0,
     )
     counter = TokenBudget(budget)
-    rollouts = args.rollouts if budget is None else 10 * args.rollouts
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=1,
-        limit_train_batches=rollouts,
+        limit_train_batches=args.rollouts if budget is None else 10 * args.rollouts,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -101,34 +120,29 @@ def train(args, arm: str, lr: float, seed: int, budget: int | None, out: Path):
     )
     start = time.perf_counter()
     trainer.fit(module, dm)
-    return (
-        module.policy,
-        module.tokenizer,
-        {
-            "tokens": counter.tokens,
-            "rollouts": counter.rollouts,
-            "fit_s": time.perf_counter() - start,
-            "budget": budget,
-        },
-    )
+    module.policy.save_pretrained(str(out / "policy"))
+    module.tokenizer.save_pretrained(str(out / "policy"))
+    return {
+        "tokens": counter.tokens,
+        "rollouts": counter.rollouts,
+        "train_turns": counter.turns,
+        "fit_s": time.perf_counter() - start,
+        "budget": budget,
+    }
 
 
 @torch.no_grad()
-def evaluate(args, policy, tokenizer, prompts: list[str], arm: str) -> dict[str, float]:
+def evaluate(args, policy_dir: str, prompts: list[str], arm: str) -> dict[str, float]:
     """One episode per prompt at T = 1 (seed 0) in the arm's environment: final gold and turn statistics."""
+    policy, tokenizer = load_policy(policy_dir)
+    policy.eval()
     env = environment(args, arm)
     engine = HFEngine(tokenizer, policy, micro_batch_size=100)
-    rollout, stats = run_episodes(
-        engine,
-        tokenizer,
-        env,
-        prompts,
-        1,
-        SamplingParams(temperature=1.0, max_new_tokens=24, seed=0),
-        max_turns=2 if arm == "multi" else 1,
-        max_episode_tokens=64 if arm == "multi" else 24,
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0)
+    rollout, stats = run_episodes(engine, tokenizer, env, prompts, 1, sampling, **limits(arm))
+    gold = SimEpisodeGold(args.sim_dir, turn_cost=args.turn_cost, correctness=args.correctness)(
+        prompts, rollout.texts
     )
-    gold = SimEpisodeGold(args.sim_dir, turn_cost=args.turn_cost)(prompts, rollout.texts)
     first_right, second_right, hinted = [], [], 0
     for prompt, turns in zip(prompts, stats.turn_texts):
         env.reset(prompt, seed=0)
@@ -140,6 +154,7 @@ def evaluate(args, policy, tokenizer, prompts: list[str], arm: str) -> dict[str,
         "gold": float(gold.mean()),
         "gold_se": float(gold.std() / math.sqrt(len(gold))),
         "turns": sum(stats.turns) / len(prompts),
+        "tool_calls": sum(stats.tool_calls) / len(prompts),
         "first_right": sum(first_right) / len(prompts),
         "hinted": hinted / len(prompts),
         "second_right_after_hint": (sum(second_right) / len(second_right)) if second_right else float("nan"),
@@ -147,11 +162,24 @@ def evaluate(args, policy, tokenizer, prompts: list[str], arm: str) -> dict[str,
     }
 
 
+def cached(path: Path, make, *make_args):
+    """``make(*make_args)``'s JSON result, computed once and kept at ``path``."""
+    if path.exists():
+        return json.loads(path.read_text())
+    value = make(*make_args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=1) + "\n")
+    return value
+
+
 def prompts_of(path: str, count: int) -> list[str]:
     return [r.fields["prompt"] for r in read_records(path)][:count]
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
     m = sum(values) / len(values)
     if len(values) < 2:
         return m, float("nan")
@@ -159,82 +187,80 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(values))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--sim-dir", default="data/sim")
-    parser.add_argument("--sft", default="out/quickstart/sft")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--lrs", type=float, nargs="+", default=[2e-5, 1e-4])
-    parser.add_argument("--rollouts", type=int, default=12, help="rollouts of the multi-turn arm")
-    parser.add_argument("--batch", type=int, default=8, help="prompts per rollout")
-    parser.add_argument("--n", type=int, default=4, help="episodes per prompt")
-    parser.add_argument("--turn-cost", type=float, default=0.1)
-    parser.add_argument("--val-prompts", type=int, default=100)
-    parser.add_argument("--test-prompts", type=int, default=200)
-    parser.add_argument("--out", default="out/bench_multiturn")
-    parser.add_argument("--name", default="multiturn")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+def run_campaign(args, val: list[str], test: list[str], *, select_only: bool = False) -> dict:
     out = Path(args.out)
-    val = prompts_of(f"{args.sim_dir}/prompts_val.jsonl", args.val_prompts)
-    test = prompts_of(f"{args.sim_dir}/prompts_test.jsonl", args.test_prompts)
     report: dict = {"args": vars(args), "selection": {}, "runs": [], "controls": {}}
+    for name, path in (("sft", args.sft), ("sft_single", args.sft_single)):
+        for arm in ("single", "multi") if path and not select_only else ():
+            report["controls"][f"{name}_in_{arm}"] = cached(
+                out / f"control-{name}-{arm}.json", evaluate, args, path, test, arm
+            )
 
-    sft, tokenizer = load_policy(args.sft)
-    sft.eval()
-    for arm in ("multi", "single"):
-        report["controls"][f"sft_in_{arm}"] = evaluate(args, sft, tokenizer, test, arm)
+    def run(arm: str, lr: float, seed: int) -> dict:
+        budget = None if arm == "multi" else run("multi", lr, seed)["tokens"]
+        folder = out / f"{arm}-lr{lr:g}-s{seed}"
+        return cached(folder / "train.json", train, args, arm, lr, seed, budget, folder) | {
+            "dir": str(folder)
+        }
 
-    chosen, budgets, trained = {}, {}, {}
+    chosen = {}
     for arm in ("multi", "single"):  # selection on validation prompts, first seed
         scores = {}
         for lr in args.lrs:
-            budget = budgets.get((args.seeds[0], lr)) if arm == "single" else None
-            policy, tok, info = train(
-                args, arm, lr, args.seeds[0], budget, out / f"{arm}-lr{lr}-s{args.seeds[0]}"
+            info = run(arm, lr, args.seeds[0])
+            val_stats = cached(
+                Path(info["dir"]) / "val.json", evaluate, args, f"{info['dir']}/policy", val, arm
             )
-            trained[(arm, lr, args.seeds[0])] = (policy, tok, info)
-            if arm == "multi":
-                budgets[(args.seeds[0], lr)] = info["tokens"]
-            scores[lr] = evaluate(args, policy, tok, val, arm)["gold"]
-            print(f"selection {arm} lr={lr}: val gold {scores[lr]:.3f} ({info})", flush=True)
+            scores[lr] = val_stats["gold"]
+            print(
+                f"selection {arm} lr={lr:g}: val gold {scores[lr]:.3f} (tokens {info['tokens']})", flush=True
+            )
         chosen[arm] = max(scores, key=scores.get)
-        report["selection"][arm] = {"val_gold": {str(k): v for k, v in scores.items()}, "lr": chosen[arm]}
-
-    def run(arm, seed, budget):  # the selection's first-seed run is reused
-        key = (arm, chosen[arm], seed)
-        if key in trained and trained[key][2]["budget"] == budget:
-            return trained[key]
-        return train(args, arm, chosen[arm], seed, budget, out / f"{arm}-s{seed}")
+        report["selection"][arm] = {"val_gold": {f"{k:g}": v for k, v in scores.items()}, "lr": chosen[arm]}
+    if select_only:
+        return report
 
     for seed in args.seeds:
-        multi_policy, tok, info = run("multi", seed, None)
-        row = {"arm": "multi", "seed": seed, **info, **evaluate(args, multi_policy, tok, test, "multi")}
-        report["runs"].append(row)
-        print(row, flush=True)
-        single_policy, tok, info = run("single", seed, row["tokens"])
-        row = {"arm": "single", "seed": seed, **info, **evaluate(args, single_policy, tok, test, "single")}
-        control = evaluate(args, single_policy, tok, test, "multi")
-        row["in_environment"] = control
-        report["runs"].append(row)
-        print(row, flush=True)
+        for arm in ("multi", "single"):
+            info = run(arm, chosen[arm], seed)
+            policy = f"{info['dir']}/policy"
+            row = {"arm": arm, "seed": seed, "lr": chosen[arm], **info}
+            row |= cached(Path(info["dir"]) / "test.json", evaluate, args, policy, test, arm)
+            if arm == "single":  # the single-turn policy inside the environment (a control)
+                row["in_environment"] = cached(
+                    Path(info["dir"]) / "test-in-multi.json", evaluate, args, policy, test, "multi"
+                )
+            report["runs"].append(row)
+            print(
+                {k: row[k] for k in ("arm", "seed", "lr", "tokens", "rollouts", "gold", "turns")}, flush=True
+            )
+    return report
 
+
+def summarise(args, report: dict, val: list[str], test: list[str]) -> str:
+    multi = {r["seed"]: r for r in report["runs"] if r["arm"] == "multi"}
+    single = {r["seed"]: r for r in report["runs"] if r["arm"] == "single"}
+    lrs = {arm: report["selection"][arm]["lr"] for arm in ("multi", "single")}
+    diff = mean_se([multi[s]["gold"] - single[s]["gold"] for s in multi])
+    report["summary"] = {"multi_minus_single": {"mean": diff[0], "se": diff[1]}}
     lines = [
-        f"Multi-turn vs single-turn GRPO at equal generated tokens: {len(args.seeds)} seeds, {len(test)} test prompts "
-        f"(T = 1), turn cost {args.turn_cost}; lr chosen on {len(val)} validation prompts "
-        f"(multi {chosen['multi']:g}, single {chosen['single']:g}).",
+        f"Multi-turn vs single-turn GRPO at equal generated tokens: {len(args.seeds)} seeds, {len(test)} test "
+        f"prompts (T = 1), hint `{args.hint}`, turn cost {args.turn_cost}, {args.correctness} correctness; {args.rollouts} rollouts of "
+        f"{args.batch} prompts x {args.n} episodes for the multi-turn arm; lr chosen on {len(val)} validation "
+        f"prompts (multi {lrs['multi']:g}, single {lrs['single']:g}). Both arms start from `{args.sft}`.",
         "",
-        "| policy | evaluated | final gold | turns/episode | first answer right (symbols) | hinted | right after hint | model tokens trained |",
-        "|---|---|---|---|---|---|---|---|",
+        "| policy | evaluated | final gold | turns/episode | first answer right | hinted | right after hint "
+        "| model tokens/episode | model tokens trained |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, key in (("SFT", "sft_in_single"), ("SFT", "sft_in_multi")):
-        c = report["controls"][key]
-        where = "single-turn" if key.endswith("single") else "with hints"
+    names = {"sft": "SFT (multi-turn demos)", "sft_single": "SFT (single-turn demos only)"}
+    for key, c in report["controls"].items():
+        name, arm = key.rsplit("_in_", 1)
+        where = "single-turn" if arm == "single" else "with hints"
         lines.append(
-            f"| {name} | {where} | {c['gold']:.3f} ± {c['gold_se']:.3f} (prompts) | {c['turns']:.2f} | {c['first_right']:.3f} "
-            f"| {c['hinted']:.3f} | {c['second_right_after_hint']:.3f} | 0 |"
+            f"| {names[name]} | {where} | {c['gold']:.3f} ± {c['gold_se']:.3f} (prompts) | {c['turns']:.2f} "
+            f"| {c['first_right']:.3f} | {c['hinted']:.3f} | {c['second_right_after_hint']:.3f} "
+            f"| {c['model_tokens']:.1f} | 0 |"
         )
     for arm, where, pick in (
         ("single", "single-turn", lambda r: r),
@@ -242,46 +268,90 @@ def main() -> None:
         ("multi", "with hints", lambda r: r),
     ):
         rows = [r for r in report["runs"] if r["arm"] == arm]
-        stats = {
-            k: mean_se([pick(r)[k] for r in rows])
-            for k in ("gold", "turns", "first_right", "hinted", "second_right_after_hint")
-        }
+        stats = {k: mean_se([pick(r)[k] for r in rows]) for k in STATS}
         tokens = mean_se([r["tokens"] for r in rows])[0]
-        report.setdefault("summary", {})[f"{arm}-trained, {where}"] = {k: v[0] for k, v in stats.items()}
+        report["summary"][f"{arm}-trained, {where}"] = {k: v[0] for k, v in stats.items()} | {
+            "gold_se_seeds": stats["gold"][1]
+        }
         lines.append(
-            f"| GRPO {arm}-turn | {where} | {stats['gold'][0]:.3f} ± {stats['gold'][1]:.3f} | {stats['turns'][0]:.2f} "
-            f"| {stats['first_right'][0]:.3f} | {stats['hinted'][0]:.3f} | {stats['second_right_after_hint'][0]:.3f} "
-            f"| {tokens:.0f} |"
+            f"| GRPO {arm}-turn | {where} | **{stats['gold'][0]:.3f} ± {stats['gold'][1]:.3f}** "
+            f"| {stats['turns'][0]:.2f} | {stats['first_right'][0]:.3f} | {stats['hinted'][0]:.3f} "
+            f"| {stats['second_right_after_hint'][0]:.3f} | {stats['model_tokens'][0]:.1f} | {tokens:.0f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(table + "\n")
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    per_seed = ", ".join(f"{multi[s]['gold'] - single[s]['gold']:+.3f}" for s in sorted(multi))
+    lines += [
+        "",
+        f"Paired by seed, multi-turn − single-turn final gold: {diff[0]:+.3f} ± {diff[1]:.3f} (s.e. over seeds; "
+        f"per seed {per_seed}).",
+    ]
+    return "\n".join(lines)
 
+
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, means, errs = [], [], []
-    for label in ("SFT\nsingle-turn", "SFT\nwith hints"):
-        c = report["controls"]["sft_in_single" if "single" in label else "sft_in_multi"]
-        labels.append(label), means.append(c["gold"]), errs.append(c["gold_se"])
-    for arm, where, pick in (
-        ("single", "single-turn", lambda r: r),
-        ("single", "with hints", lambda r: r["in_environment"]),
-        ("multi", "with hints", lambda r: r),
+    labels, means, errs, colours = [], [], [], []
+    for key, c in report["controls"].items():
+        name, arm = key.rsplit("_in_", 1)
+        labels.append(
+            f"{'SFT' if name == 'sft' else 'SFT single-turn demos'}\n{'single' if arm == 'single' else 'with hints'}"
+        )
+        means.append(c["gold"]), errs.append(c["gold_se"]), colours.append("#bbb")
+    for arm, where, pick, colour in (
+        ("single", "single-turn", lambda r: r, "#6a9"),
+        ("single", "with hints", lambda r: r["in_environment"], "#9c8"),
+        ("multi", "with hints", lambda r: r, "#37a"),
     ):
         m, se = mean_se([pick(r)["gold"] for r in report["runs"] if r["arm"] == arm])
-        labels.append(f"GRPO {arm}\n{where}"), means.append(m), errs.append(0 if math.isnan(se) else se)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(range(len(labels)), means, yerr=errs, capsize=4, color=["#bbb", "#bbb", "#6a9", "#9c8", "#37a"])
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        labels.append(f"GRPO {arm}\n{where}"), means.append(m), colours.append(colour)
+        errs.append(0 if math.isnan(se) else se)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(range(len(labels)), means, yerr=errs, capsize=4, color=colours)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("final gold on test prompts (T = 1)")
     ax.set_title("multi-turn (hints) vs single-turn GRPO at equal generated tokens")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sim-dir", default="data/sim")
+    parser.add_argument("--sft", default="out/quickstart/sft-multiturn", help="both arms start here")
+    parser.add_argument("--sft-single", default=None, help="a single-turn SFT policy, evaluated as a control")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4])
+    parser.add_argument("--rollouts", type=int, default=12, help="rollouts of the multi-turn arm")
+    parser.add_argument("--batch", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--n", type=int, default=4, help="episodes per prompt")
+    parser.add_argument("--hint", default="answer", choices=("answer", "length", "none"))
+    parser.add_argument("--turn-cost", type=float, default=0.1)
+    parser.add_argument(
+        "--correctness", default="exact", choices=("exact", "partial"), help="how the final answer is scored"
+    )
+    parser.add_argument("--val-prompts", type=int, default=200)
+    parser.add_argument("--test-prompts", type=int, default=200)
+    parser.add_argument("--out", default="out/bench_multiturn")
+    parser.add_argument("--name", default="multiturn")
+    parser.add_argument("--select-only", action="store_true", help="stop after the lr selection")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    val = prompts_of(f"{args.sim_dir}/prompts_val.jsonl", args.val_prompts)
+    test = prompts_of(f"{args.sim_dir}/prompts_test.jsonl", args.test_prompts)
+    report = run_campaign(args, val, test, select_only=args.select_only)
+    if args.select_only:
+        return
+    table = summarise(args, report, val, test)
+    print(table)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.md").write_text(table + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":
