@@ -242,7 +242,11 @@ def summarise(args, report: dict, val: list[str], test: list[str]) -> str:
     single = {r["seed"]: r for r in report["runs"] if r["arm"] == "single"}
     lrs = {arm: report["selection"][arm]["lr"] for arm in ("multi", "single")}
     diff = mean_se([multi[s]["gold"] - single[s]["gold"] for s in multi])
-    report["summary"] = {"multi_minus_single": {"mean": diff[0], "se": diff[1]}}
+    diff_env = mean_se([multi[s]["gold"] - single[s]["in_environment"]["gold"] for s in multi])
+    report["summary"] = {
+        "multi_minus_single": {"mean": diff[0], "se": diff[1]},
+        "multi_minus_single_with_hints": {"mean": diff_env[0], "se": diff_env[1]},
+    }
     lines = [
         f"Multi-turn vs single-turn GRPO at equal generated tokens: {len(args.seeds)} seeds, {len(test)} test "
         f"prompts (T = 1), hint `{args.hint}`, turn cost {args.turn_cost}, {args.correctness} correctness; {args.rollouts} rollouts of "
@@ -253,7 +257,7 @@ def summarise(args, report: dict, val: list[str], test: list[str]) -> str:
         "| model tokens/episode | model tokens trained |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    names = {"sft": "SFT (multi-turn demos)", "sft_single": "SFT (single-turn demos only)"}
+    names = {"sft": "SFT: both arms' start", "sft_single": "SFT: single-turn demos only"}
     for key, c in report["controls"].items():
         name, arm = key.rsplit("_in_", 1)
         where = "single-turn" if arm == "single" else "with hints"
@@ -282,7 +286,8 @@ def summarise(args, report: dict, val: list[str], test: list[str]) -> str:
     lines += [
         "",
         f"Paired by seed, multi-turn − single-turn final gold: {diff[0]:+.3f} ± {diff[1]:.3f} (s.e. over seeds; "
-        f"per seed {per_seed}).",
+        f"per seed {per_seed}); multi-turn − single-turn policy evaluated with hints: {diff_env[0]:+.3f} ± "
+        f"{diff_env[1]:.3f}.",
     ]
     return "\n".join(lines)
 
@@ -296,9 +301,8 @@ def plot(report: dict, path: Path) -> None:
     labels, means, errs, colours = [], [], [], []
     for key, c in report["controls"].items():
         name, arm = key.rsplit("_in_", 1)
-        labels.append(
-            f"{'SFT' if name == 'sft' else 'SFT single-turn demos'}\n{'single' if arm == 'single' else 'with hints'}"
-        )
+        start = "SFT (start)" if name == "sft" else "SFT, single-turn\ndemos only"
+        labels.append(f"{start}\n{'single' if arm == 'single' else 'with hints'}")
         means.append(c["gold"]), errs.append(c["gold_se"]), colours.append("#bbb")
     for arm, where, pick, colour in (
         ("single", "single-turn", lambda r: r, "#6a9"),
