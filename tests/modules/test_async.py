@@ -138,6 +138,75 @@ def test_the_loader_must_agree_with_the_schedule(tiny_policy_dir, prompts_file, 
     module.rollout.stop_pipeline()
 
 
+def test_a_lora_policy_trained_asynchronously_samples_from_its_updated_adapter(
+    tiny_policy_dir, prompts_file, tmp_path
+):
+    """GRPO with a LoRA policy at k = 1, 3 steps (verl #7495: under async the adapter never reached the
+    engine). The worker loads each version's merged weights; version 1 (after one real optimiser step of the
+    adapter) differs from version 0, and step 2's rollout, generated ahead from version 1, carries the
+    log-probs of version 1's merged weights (a teacher-forced forward of the snapshot), far from version 0's."""
+    from transformers import AutoModelForCausalLM
+
+    from alignlit.models.lora import LoRA
+    from alignlit.rollout import logprob_parity
+
+    module = PolicyGradientModule(
+        policy=str(tiny_policy_dir), reward=char_reward, optim=Optim(lr=1e-2, min_lr_ratio=1.0),
+        lora=LoRA(rank=4), minibatches=Minibatches(size=4),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2, max_staleness=1),
+    )  # fmt: skip
+    snapshots, rollouts = {}, {}
+    snapshot, produce = module.rollout.snapshot, module.produce
+
+    def record_snapshot(version):
+        snapshots[version] = snapshot(version)
+        return snapshots[version]
+
+    def record_rollout(index, prompts, version):
+        result = produce(index, prompts, version)
+        rollouts[index] = (version, result[0].rollout)
+        return result
+
+    module.rollout.snapshot, module.produce = record_snapshot, record_rollout
+    fit(module, prompts_file, tmp_path, epochs=1)
+    assert sorted(snapshots) == [0, 1] and rollouts[2][0] == 1
+    assert not any("lora_" in name for name in snapshots[1].state)  # merged, under the base model's names
+    assert not all(torch.equal(snapshots[0].state[k], snapshots[1].state[k]) for k in snapshots[0].state)
+    diffs = {}
+    for version in (0, 1):
+        model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir).eval()
+        model.load_state_dict(snapshots[version].state, strict=True)
+        diffs[version] = logprob_parity(model, rollouts[2][1], temperature=1.0, max_samples=4)["max_abs_diff"]
+    assert diffs[1] < 1e-4 and diffs[0] > 1e-2, diffs
+
+
+def test_the_parity_model_of_loaded_snapshots_has_a_config_of_its_own(tokenizer):
+    """vLLM at k >= 1 checks each loaded snapshot with a teacher-forced forward in the producer thread while
+    the trainer trains; a packed trainer forward sets the policy config's attention function while it runs,
+    so a parity model sharing that config ran the packed attention outside a packed forward and failed
+    ("alignlit_grouped attention runs only inside alignlit's packed forwards", seen in bench_async)."""
+    from alignlit.models import make_tiny_llama
+    from alignlit.models.hf_internals import attention_implementation, use_attention
+    from tests.conftest import TINY
+
+    class LoadsState:  # the part of the vLLM engine the pipeline uses
+        def load_state(self, state):
+            pass
+
+    policy = make_tiny_llama(tokenizer, seed=0, **TINY)
+    loop = RolloutLoop(engine="vllm", max_staleness=1, parity_every=1)
+    loop.engine, loop.policy, loop.tokenizer = LoadsState(), policy, tokenizer
+    loop.start_pipeline(lambda index, prompts, version: None)
+    try:
+        parity = loop._parity_model
+        before = attention_implementation(parity.config)
+        with use_attention(policy.config, "alignlit_test_packed", lambda *a, **k: None):  # a packed forward
+            assert attention_implementation(policy.config) == "alignlit_test_packed"
+            assert attention_implementation(parity.config) == before != "alignlit_test_packed"
+    finally:
+        loop.stop_pipeline()
+
+
 def ppo(policy_dir, k):
     return PPOModule(
         policy=str(policy_dir), reward=char_reward, critic=str(policy_dir), kl=KLPenalty(target=1.0, horizon=20),

@@ -13,6 +13,7 @@ that generated it.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -279,6 +280,14 @@ class RolloutLoop:
                 "engine serving several training ranks keeps one weight version; run max_staleness 0"
             )
         self.async_engine = engine
+        if self.parity_every and self._parity_model is None:
+            from transformers import AutoModelForCausalLM
+
+            # Built here, in the trainer's thread, on a copy of the config: a model sharing the policy's
+            # config would, in the producer, run the attention function a packed trainer forward sets on it.
+            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+            config, dtype = copy.deepcopy(base.config), next(base.parameters()).dtype
+            self._parity_model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
         def load(snapshot: WeightSnapshot) -> None:
             engine.load_state(snapshot.state)
@@ -291,12 +300,6 @@ class RolloutLoop:
         """The parity check of the first batch an engine generated after loading a snapshot (vLLM with
         ``max_staleness >= 1``): a teacher-forced forward of a model holding the snapshot's weights."""
         snapshot, self._unverified = self._unverified, None
-        if self._parity_model is None:
-            from transformers import AutoModelForCausalLM
-
-            base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
-            dtype = next(base.parameters()).dtype
-            self._parity_model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()
         self._parity_model.load_state_dict(snapshot.state, strict=True)
         parity = check_parity(
             self._parity_model,
