@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -84,3 +85,23 @@ def test_write_multiturn_sft(tmp_path):
         write_multiturn_sft(tmp_path, n_train=31, eos="<E>")
     with pytest.raises(ValueError, match="hint must be one of"):
         write_multiturn_sft(tmp_path, hint="loud", eos="<E>")
+
+
+def test_cli_make_multiturn_data(tmp_path, capsys):
+    """`alignlit sim make-multiturn-data` after make-data: the EOS between the turns is the written
+    tokenizer's, the reply the chosen hint."""
+    from alignlit.cli.sim import main
+    from alignlit.models import load_tokenizer
+
+    sim = tmp_path / "sim"
+    assert main(["make-data", "--out", str(sim), "--n-sft", "20", "--n-pairs", "4", "--n-prompts", "4",
+                 "--n-val", "4", "--n-test", "2", "--tokenizer-vocab", "300"]) == 0  # fmt: skip
+    assert (
+        main(["make-multiturn-data", "--sim", str(sim), "--hint", "length", "--n-train", "8", "--n-val", "2"])
+        == 0
+    )
+    assert re.search(r"sft_multiturn_train\.jsonl +28 rows", capsys.readouterr().out)
+    eos = load_tokenizer(sim / "tokenizer").eos_token
+    records = [json.loads(line) for line in (sim / "sft_multiturn_train.jsonl").read_text().splitlines()]
+    multi = [r for r in records if eos in r["prompt"]]
+    assert len(multi) == 8 and all("Human: wrong, the answer has" in r["prompt"] for r in multi)

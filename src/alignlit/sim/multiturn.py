@@ -7,13 +7,20 @@ An episode (:class:`SimHintEnvironment`, an alignlit environment: ``reset``/``st
      a c d                                                    <- the model's second answer
 
 The first answer whose symbols are right (its words that are symbols equal the ideal answer; filler words
-are not checked here, gold still penalises them) ends the episode, as does the last allowed attempt. Every hint costs ``turn_cost``, so the episode's gold is
+are not checked here, gold still penalises them) ends the episode, as does the last allowed attempt. Every
+hint costs ``turn_cost``, so the episode's gold is
 
-    gold = g(x, final answer) - turn_cost · (turns - 1)
+    gold = score(x, final answer) - turn_cost · (turns - 1)
 
-with ``g`` the task's gold reward (:meth:`~alignlit.sim.SimTask.gold_reward`). Step rewards make it up:
-``-turn_cost`` for each answered-with-a-hint turn, ``g(x, final answer)`` at the end; so the episode's
-return is its gold. :class:`SimEpisodeGold` computes the same gold from a transcript (``val/gold``).
+with ``score`` (:func:`final_score`) the task's gold reward ``g`` (:meth:`~alignlit.sim.SimTask.gold_reward`,
+``correctness="partial"``) or ``g`` with its correctness term replaced by 1 for the right symbols and 0
+otherwise (``"exact"``: a near miss earns nothing). Step rewards make it up: ``-turn_cost`` for each
+answered-with-a-hint turn, the score at the end; so the episode's return is its gold. :class:`SimEpisodeGold`
+computes the same gold from a transcript (``val/gold``).
+
+A policy trained on single-turn demonstrations has never seen text after its own EOS and does not read a
+hint; :func:`write_multiturn_sft` (``alignlit sim make-multiturn-data``) adds second-turn demonstrations
+(prompt, wrong first answer, EOS, hint -> a demonstration of the right answer) to the SFT data.
 
 Hints: ``"answer"`` shows the right answer as a copy request (the task's own ``copy`` prompt, a format
 the SFT policy knows); ``"length"`` says how many symbols the answer has; ``"none"`` only says "wrong".
