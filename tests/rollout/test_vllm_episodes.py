@@ -10,7 +10,6 @@ from alignlit.models.forward import response_logprobs
 from alignlit.rollout import SamplingParams, run_episodes
 from tests.rollout.test_episodes import PROMPT, HintEnv
 from tests.rollout.test_vllm import (  # noqa: F401 - fixtures
-    _need_vllm,
     engine,
     policy,
     policy_dir,
