@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from alignlit.sim import make_data
+from alignlit.sim.multiturn import write_multiturn_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -105,9 +106,11 @@ def test_six_verifiable_methods_at_both_scales():
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
-    """A small generated data set: ``data/sim`` under a fresh root, as the configs name it."""
+    """A small generated data set: ``data/sim`` under a fresh root, as the configs name it (with the
+    multi-turn SFT files of ``alignlit sim make-multiturn-data``)."""
     root = tmp_path_factory.mktemp("root")
     make_data(root / "data" / "sim", n_sft=300, n_pairs=200, n_prompts=300, n_val=100, n_test=200)
+    write_multiturn_sft(root / "data" / "sim", n_train=50, n_val=20, eos="<|endoftext|>")
     return root
 
 
@@ -186,7 +189,8 @@ def test_the_benchmark_selects_on_val_and_trains_without_test_files(bench, name,
 
     def fake_evaluate(method, setting, seed, split, policy_dir, stamp):
         evals.append(split)
-        return {"setting": setting, "gold": len(evals) * 0.1}  # the last setting scores best
+        # the last setting scores best, every one within any KL budget
+        return {"setting": setting, "gold": len(evals) * 0.1, "kl_to_reference": 0.1}
 
     monkeypatch.setattr(bench, "fit", fake_fit)
     monkeypatch.setattr(bench, "evaluate", fake_evaluate)

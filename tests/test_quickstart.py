@@ -271,6 +271,45 @@ def test_choose_keeps_the_best_validation_gold_within_the_kl_limit():
     assert bench_quality.choose(records, 0.5)["setting"] == "C"
 
 
+def test_trainer_settings_override_the_trainer_and_a_row_budget_overrides_max_val_kl(tmp_path, monkeypatch):
+    """A grid key under ``trainer.`` (the number of rollouts) is a trainer override, not a model one; equal
+    to the config's own value (grpo-verifiable: 60) it is dropped; --tiny drops it (the tiny length wins).
+    DAPO's longer row chooses within its own KL budget (1.75), the others within --max-val-kl (1.4):
+    records A (gold 0.95, KL 1.7) and B (0.90, 1.3) -> the long row keeps A, a plain row B."""
+    assert bench_quality.setting_overrides({"trainer.limit_train_batches": 80, "optim.lr": 1e-5}) == [
+        "--trainer.limit_train_batches=80",
+        "--model.init_args.optim.lr=1e-05",
+    ]
+    configs = str(ROOT / "configs/quickstart")
+    args = bench_quality.build_parser().parse_args(
+        ["--suite", "verifiable", "--configs", configs, "--work", str(tmp_path), "--max-val-kl", "1.4"]
+    )
+    args.tiny = False
+    bench = bench_quality.Bench(args, bench_quality.METHODS)
+    own = bench.own_setting("grpo-verifiable", {"trainer.limit_train_batches": 60})
+    assert own == {} and bench.own_setting("grpo-verifiable", {"trainer.limit_train_batches": 80}) != {}
+    argv = bench.fit_args("grpo-verifiable.yaml", 0, {"trainer.limit_train_batches": 80})
+    assert argv[-1] == "--trainer.limit_train_batches=80"
+    bench.args.tiny = True
+    tiny = bench.fit_args("grpo-verifiable.yaml", 0, {"trainer.limit_train_batches": 80})
+    assert "--trainer.limit_train_batches=80" not in tiny and "--trainer.limit_train_batches=2" in tiny
+    a, b = {"gold": 0.95, "kl_to_reference": 1.7}, {"gold": 0.90, "kl_to_reference": 1.3}
+    record_of = {80: a, 200: a, 240: a, 280: a}  # every other number of rollouts: B
+
+    def fake_fit(method, setting, seed):
+        return Path("export"), {"stamp": 1.0}
+
+    def fake_evaluate(method, setting, seed, split, policy_dir, stamp):
+        return {"setting": setting, **record_of.get(setting["trainer.limit_train_batches"], b)}
+
+    monkeypatch.setattr(bench, "fit", fake_fit)
+    monkeypatch.setattr(bench, "evaluate", fake_evaluate)
+    long_row, plain = (bench.methods[n] for n in ("dapo-verifiable-long", "grpo-verifiable"))
+    assert long_row.max_val_kl == 1.75 and plain.max_val_kl is None
+    assert bench.chosen_setting(long_row)[0] == {"trainer.limit_train_batches": 200}  # A: KL 1.7 <= 1.75
+    assert bench.chosen_setting(plain)[0] == {"trainer.limit_train_batches": 40}  # A: KL 1.7 > 1.4; B first
+
+
 def test_pass_rate_counts_gold_one_and_the_verifiable_table_shows_it():
     """Gold 1, 0.9, 1, -0.1: the strict answer check accepts 2 of 4 -> 0.5."""
     assert bench_quality.pass_rate([1.0, 0.9, 1.0, -0.1]) == 0.5
@@ -286,8 +325,9 @@ def test_pass_rate_counts_gold_one_and_the_verifiable_table_shows_it():
 
 
 def test_the_verifiable_suite_runs_data_and_sft_only(tmp_path, monkeypatch):
-    """Its rows are SFT, the gold best-of-n references and the six *-verifiable configs; its shared stages
-    are make-data and SFT (no reward model, no ranked samples), and its runs link only those."""
+    """Its rows are SFT, the gold best-of-n references, the six *-verifiable configs and DAPO's longer row;
+    its shared stages are make-data and SFT (no reward model, no ranked samples), and its runs link only
+    those."""
     calls = []
 
     def fake_run(name, argv, cwd, log):
@@ -300,8 +340,12 @@ def test_the_verifiable_suite_runs_data_and_sft_only(tmp_path, monkeypatch):
     )
     args.tiny = False
     suite = bench_quality.SUITES["verifiable"]
-    assert suite.methods[:3] == ("sft", "bo4-gold", "bo16-gold") and len(suite.methods) == 9
-    assert all((ROOT / "configs/quickstart" / f"{name}.yaml").exists() for name in suite.methods[3:])
+    assert suite.methods[:3] == ("sft", "bo4-gold", "bo16-gold") and len(suite.methods) == 10
+    configs = {m.name: m.config for m in bench_quality.METHODS}
+    assert (
+        suite.methods[-1] == "dapo-verifiable-long" and configs["dapo-verifiable-long"] == "dapo-verifiable"
+    )
+    assert all((ROOT / "configs/quickstart" / f"{configs[name]}.yaml").exists() for name in suite.methods[3:])
     bench = bench_quality.Bench(args, bench_quality.METHODS)
     bench.shared()
     assert calls == ["make-data", "sft"]
