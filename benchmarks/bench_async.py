@@ -191,7 +191,8 @@ def machine() -> str:
 
 def table(records: list[dict]) -> list[dict]:
     """One row per (stage, engine, k, trainer threads): means (± std) over its seeds. The speed-up is against
-    k = 0 with one thread; ``ceiling`` is the speed-up of a perfect overlap of that synchronous run's two
+    k = 0 with one thread, ``speedup_vs_sync_threads`` against k = 0 with the most trainer threads run
+    (``sync_threads``; None without such a run); ``ceiling`` is the speed-up of a perfect overlap of that synchronous run's two
     phases, (rollout + train) / max(rollout, train) per step, what k >= 1 can reach at best."""
     rows = []
     for stage, engine, k, threads in sorted(
@@ -205,8 +206,13 @@ def table(records: list[dict]) -> list[dict]:
         base = [
             r for r in records if (r["stage"], r["engine"], r["k"], r["threads"]) == (stage, engine, 0, 1)
         ]
+        synced = [
+            r for r in records if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0) and r["threads"] > 1
+        ]
+        sync_threads = max((r["threads"] for r in synced), default=None)
         rate, rate_std = mean_std([r["samples_per_s"] for r in runs])
         base_rate, _ = mean_std([r["samples_per_s"] for r in base])
+        sync_rate, _ = mean_std([r["samples_per_s"] for r in synced if r["threads"] == sync_threads])
         rollout = mean_std([r["phases_s"]["rollout_s"] for r in base])[0]
         train = mean_std([r["phases_s"]["train_s"] for r in base])[0]
         histogram: dict[int, int] = {}
@@ -220,6 +226,7 @@ def table(records: list[dict]) -> list[dict]:
             "samples_per_s": rate, "samples_per_s_std": rate_std,
             "samples_per_s_all": mean_std([r["samples_per_s_all"] for r in runs])[0],
             "speedup": rate / base_rate if base_rate else None,
+            "speedup_vs_sync_threads": rate / sync_rate if sync_rate else None, "sync_threads": sync_threads,
             "ceiling": (rollout + train) / max(rollout, train) if base and k else None,
             "wait_share": mean_std([r["wait_share"] for r in runs])[0],
             "first_step_s": mean_std([r["first_step_s"] for r in runs])[0],
@@ -233,17 +240,20 @@ def table(records: list[dict]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| stage | engine | k | trainer threads | samples/s (steady) | speed-up | overlap ceiling | samples/s (whole "
-        "run) | trainer waits | rollout / train s per step | cores used | gold (test) | KL to SFT | seeds | "
-        "staleness of trained steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| stage | engine | k | trainer threads | samples/s (steady) | speed-up vs k = 0 | vs k = 0 on all threads | "
+        "overlap ceiling | samples/s (whole run) | trainer waits | rollout / train s per step | cores used | "
+        "gold (test) | KL to SFT | seeds | staleness of trained steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         phases = r["phases_s"]
+        vs_sync = r.get("speedup_vs_sync_threads")
         lines.append(
             f"| {r['stage']} | {r['engine']} | {r['k']} | {r['threads']} | "
             f"{pm(r['samples_per_s'], r['samples_per_s_std'], 1)} | "
             + ("" if r["speedup"] is None else f"{r['speedup']:.2f}×")
+            + " | "
+            + ("" if vs_sync is None else f"{vs_sync:.2f}× ({r['sync_threads']} threads)")
             + " | "
             + ("" if r["ceiling"] is None else f"{r['ceiling']:.2f}×")
             + f" | {r['samples_per_s_all']:.1f} | {100 * r['wait_share']:.0f}% | "
@@ -272,6 +282,12 @@ def plot(rows: list[dict], out: Path) -> None:
             ks = [r["k"] for r in mine]
             axes[0].hlines(base[0]["samples_per_s"] * ceiling[0], min(ks), max(ks), colors=line.get_color(),
                            linestyles=":", label=f"{stage} ({engine}): perfect overlap")  # fmt: skip
+        for sync in [
+            r for r in rows if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0) and r["threads"] > 1
+        ]:
+            ks = [r["k"] for r in mine] or [0]
+            axes[0].hlines(sync["samples_per_s"], min(ks), max(ks), colors=line.get_color(), linestyles="--",
+                           label=f"{stage} ({engine}): k = 0, {sync['threads']} threads")  # fmt: skip
         golds = [(r["k"], *r["gold"]) for r in mine if r["gold"][0] is not None]
         axes[1].errorbar([g[0] for g in golds], [g[1] for g in golds], yerr=[g[2] or 0 for g in golds],
                          marker="o", capsize=3, label=f"{stage} ({engine})")  # fmt: skip
@@ -320,11 +336,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--test-prompts", type=int, default=500)
     p.add_argument("--prepare", action="store_true")
     p.add_argument("--tiny", action="store_true", help="4 rollouts, 50 test prompts, one seed")
+    p.add_argument(
+        "--collect",
+        action="store_true",
+        help="run nothing: tabulate every finished and evaluated run under --work of --stages and --engines "
+        "with --rollouts rollouts and --test-prompts test prompts (campaigns run as several commands)",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.rollouts, args.test_prompts, args.seeds = 4, 50, args.seeds[:1]
     args.work = str(Path(args.root) / args.work)
     args.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if args.collect:
+        return report(args, collect(args))
     if args.prepare:
         prepare(Path(args.root), args.env)
     records = []
@@ -349,6 +373,29 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[{i}/{len(plan)}] {stage} {engine} k={k} threads={threads} seed={seed}: "
               f"{record['samples_per_s']:.1f} samples/s (steady), gold {record['eval']['gold']:.3f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    return report(args, records)
+
+
+def collect(args) -> list[dict]:
+    """The finished runs under ``--work`` (``run.json`` and its ``eval_test.json``) that ``--collect`` tabulates."""
+    records = []
+    for run_file in sorted(Path(args.work).glob("*/run.json")):
+        record = read_json(run_file)
+        evaluation = read_json(run_file.parent / "eval_test.json")
+        if (
+            record.get("rollouts") == args.rollouts
+            and record.get("stage") in args.stages
+            and record.get("engine") in args.engines
+            and evaluation.get("prompts") == args.test_prompts
+        ):
+            records.append({**record, "eval": evaluation})
+    if not records:
+        raise SystemExit(f"--collect: no finished run with {args.rollouts} rollouts under {args.work}")
+    return records
+
+
+def report(args, records: list[dict]) -> dict:
+    """Write ``<results>/async{,_tiny}.{json,md,png}`` from the runs' records; the rows."""
     rows = table(records)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -362,7 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
         json.dumps({**meta, "rows": rows, "runs": records}, indent=1) + "\n"
     )
     text = format_table(rows)
-    (results / f"{name}.md").write_text(f"{meta['date']}, `{meta['command']}`\n\n{text}\n")
+    (results / f"{name}.md").write_text(f"{meta['date']}, `{meta['command']}`, {meta['machine']}\n\n{text}\n")
     plot(rows, results / f"{name}.png")
     print(text)
     return {"rows": rows}
