@@ -11,6 +11,7 @@ from alignlit.losses import (
     ab_preference_loss,
     ab_probability,
     bradley_terry_loss,
+    pearson_correlation,
     reward_model_loss,
     score_l2_loss,
 )
@@ -141,3 +142,45 @@ def test_ab_preference_loss_validation():
         ab_preference_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match=r"logit_a has shape \(2,\) but label_is_a has shape \(3,\)"):
         ab_preference_loss(torch.zeros(2), torch.zeros(2), torch.ones(3, dtype=torch.bool))
+
+
+def test_pearson_correlation_by_hand():
+    """x = (1, 2, 3, 4), y = (1, 3, 2, 4): deviations (-1.5, -.5, .5, 1.5) and (-1.5, .5, -.5, 1.5),
+    Σ dx·dy = 4, Σ dx² = Σ dy² = 5, ρ = 0.8; a constant input gives 0 with a zero gradient."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    assert pearson_correlation(x, torch.tensor([1, 3, 2, 4])).item() == pytest.approx(0.8, abs=1e-6)
+    rho = pearson_correlation(x, torch.full((4,), 7.0))
+    rho.backward()
+    assert rho.item() == 0.0 and x.grad.abs().sum().item() == 0.0
+
+
+def test_reward_model_loss_with_length_head_by_hand():
+    """Quality scores r_Q: chosen (2, 0, 1), rejected (1, 1, 1); length head w = 0.5 on lengths chosen
+    (2, 4, 3), rejected (4, 2, 1): r_L chosen (1, 2, 1.5), rejected (2, 1, 0.5). The Bradley-Terry term is
+    on r_Q + r_L: gaps (0, 0, 1), loss (2 ln 2 + softplus(-1))/3 = (1.386294 + 0.313262)/3 = 0.566519,
+    accuracy 1/3 (ties count as wrong); r_Q alone has gaps (1, -1, 0): quality_accuracy 1/3. Decorrelation
+    within pairs: score gaps (1, -1, 0) against length gaps (-2, 2, 2): Σ dx·dy = -4, Σ dx² = 2,
+    Σ dy² = 96/9, ρ = -4/√(192/9) = -0.866025; with λ_ρ = 0.5 the total is 0.566519 + 0.433013 = 0.999532."""
+    chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0])
+    lengths = (torch.tensor([2.0, 4.0, 3.0]), torch.tensor([4.0, 2.0, 1.0]))
+    loss, metrics = reward_model_loss(
+        chosen,
+        rejected,
+        length_scores=(0.5 * lengths[0], 0.5 * lengths[1]),
+        lengths=lengths,
+        decorrelation_weight=0.5,
+    )
+    assert metrics["bt_loss"].item() == pytest.approx(0.566519, abs=1e-6)
+    assert metrics["accuracy"].item() == pytest.approx(1 / 3)
+    assert metrics["quality_accuracy"].item() == pytest.approx(1 / 3)
+    assert metrics["length_corr"].item() == pytest.approx(-0.866025, abs=1e-6)
+    assert loss.item() == pytest.approx(0.999532, abs=1e-6)
+    # without the decorrelation weight the term is reported, not added
+    loss0, _ = reward_model_loss(
+        chosen, rejected, length_scores=(0.5 * lengths[0], 0.5 * lengths[1]), lengths=lengths
+    )
+    assert loss0.item() == pytest.approx(0.566519, abs=1e-6)
+    with pytest.raises(ValueError, match=r"decorrelation_weight is 0\.5 but lengths is None"):
+        reward_model_loss(CHOSEN, REJECTED, decorrelation_weight=0.5)
+    with pytest.raises(ValueError, match="shape"):
+        reward_model_loss(CHOSEN, REJECTED, length_scores=(torch.zeros(3), torch.zeros(2)))

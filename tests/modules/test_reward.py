@@ -289,3 +289,92 @@ def test_hh_minilm_config_small_run(tmp_path):
     assert config["architectures"] == ["BertForSequenceClassification"]
     rm = load_reward_model(tmp_path / "rm")
     assert rm.encoder.truncation.max_length == 64 - 2  # CLS and SEP reserved
+
+
+def test_length_head_loss_step_and_export(tiny_policy_dir, tmp_path):
+    """ODIN-style length head: a batch's loss is softplus(-(Δr_Q + w·Δ|y| - m)) + λ_ρ·|ρ(Δr_Q, Δ|y|)|
+    (Δ: chosen minus rejected, ρ over the batch's pairs) computed here from the quality scores and the
+    response lengths; one Adam step at the head's lr 0.1
+    moves w from 0 to -0.1 (Adam's first step is lr·sign(g); every rejected response is the longer one,
+    so the gradient on w is positive); the export is the quality head alone (no length weight in its
+    weights, and it scores what the module's quality head scores)."""
+    from alignlit.modules import LengthHead
+
+    with pytest.raises(ValueError, match=r"length_head\.lr must be > 0"):
+        LengthHead(lr=0.0)
+    rows = sim_like_pairs(8)
+    module = RewardModule(
+        str(tiny_policy_dir),
+        length_head=LengthHead(lr=0.1, decorrelation=0.5),
+        optim=Optim(lr=1e-3, warmup_steps=1),
+        export_dir=str(tmp_path / "rm"),
+    )
+    dm = PreferenceDataModule(
+        write_jsonl(tmp_path / "p.jsonl", rows), tokenizer=str(tiny_policy_dir),
+        val_fraction=0.0, max_length=32, max_prompt_length=16, batch_size=8, dedup=False,
+    )  # fmt: skip
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    with torch.no_grad():
+        module.length_weight.fill_(0.3)
+        loss, metrics, scores = module.loss(batch)
+    s = scores.double()
+    n = len(batch)
+    lengths = batch.loss_mask.sum(-1).double()
+    assert (lengths[:n] < lengths[n:]).all()  # every rejected response is longer
+    gap = s[:n] - s[n:] + 0.3 * (lengths[:n] - lengths[n:]) - batch.margin.double()
+    score_gap, length_gap = s[:n] - s[n:], lengths[:n] - lengths[n:]
+    dx, dy = score_gap - score_gap.mean(), length_gap - length_gap.mean()
+    rho = float((dx * dy).sum() / math.sqrt(float((dx**2).sum() * (dy**2).sum())))
+    expected = float(torch.nn.functional.softplus(-gap).mean()) + 0.5 * abs(rho)
+    assert float(loss) == pytest.approx(expected, abs=1e-5)
+    assert float(metrics["length_corr"]) == pytest.approx(rho, abs=1e-5)
+
+    with torch.no_grad():
+        module.length_weight.zero_()
+    trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, dm)
+    assert float(module.length_weight) == pytest.approx(-0.1, abs=1e-5)
+    exported = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"))
+    assert not any("length" in k for k in exported.state_dict())
+    rm = load_reward_model(tmp_path / "rm")
+    with torch.no_grad():
+        quality = module(batch.input_ids[:n], batch.attention_mask[:n])
+    torch.testing.assert_close(
+        rm.score(batch.prompts, batch.chosen_texts), quality.float(), atol=1e-5, rtol=0
+    )
+
+
+def test_reward_ensemble_combines_members_by_hand(trained_rm, tiny_policy_dir, tmp_path):
+    """combine_scores on (M=2, N=2) scores [[1, 2], [3, 6]]: mean (2, 4), std (√2, 2√2), lcb with k = 1
+    (2 - 1.414214, 4 - 2.828427), min (1, 2). A RewardEnsemble of two reward models scores the
+    combination of its members' own scores; with ``normalize`` each member is first standardised by its
+    mean and std over the normalisation file."""
+    from alignlit.models import RewardEnsemble, combine_scores
+
+    scores = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    torch.testing.assert_close(combine_scores(scores, "mean"), torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(combine_scores(scores, "lcb", 1.0), torch.tensor([0.585786, 1.171573]))
+    torch.testing.assert_close(combine_scores(scores, "min"), torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="at least 2 members"):
+        combine_scores(scores[:1], "lcb")
+
+    rm_dir, rows, *_ = trained_rm
+    other = RewardModule(str(tiny_policy_dir)).export(tmp_path / "other")  # a fresh (random) head
+    prompts, responses = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
+    a, b = (
+        load_reward_model(rm_dir).score(prompts, responses),
+        load_reward_model(other).score(prompts, responses),
+    )
+    ensemble = RewardEnsemble([str(rm_dir), str(other)], combine="lcb", k=0.5)
+    expected = torch.stack([a, b]).mean(0) - 0.5 * torch.stack([a, b]).std(0)
+    torch.testing.assert_close(ensemble.score(prompts, responses), expected, atol=1e-5, rtol=0)
+    assert isinstance(ensemble.model, torch.nn.ModuleList) and len(ensemble.model) == 2
+
+    ref = write_jsonl(
+        tmp_path / "ref.jsonl", [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+    )
+    normed = RewardEnsemble([str(rm_dir), str(other)], combine="mean", normalize=ref)
+    expected = ((a - a.mean()) / a.std() + (b - b.mean()) / b.std()) / 2
+    torch.testing.assert_close(normed.score(prompts, responses), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="at least 2 models"):
+        RewardEnsemble([str(rm_dir)])

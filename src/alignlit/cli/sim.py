@@ -2,6 +2,9 @@
 
 alignlit sim make-data --out data/sim [--seed 0] [--n-sft 20000] [--n-pairs 10000] ...
 alignlit sim make-multiturn-data --sim data/sim [--hint answer] [--n-train 5000] [--n-val 250]
+alignlit sim make-pairs --sim data/sim --n 40000 [--out data/sim/pairs_extra_train.jsonl] [--seed 1]
+alignlit sim label-samples --sim data/sim --samples ranked.jsonl --out pairs.jsonl [--pairs-per-prompt 1]
+    [--include data/sim/pairs_extra_train.jsonl]
 alignlit sim show [--n 5] [--split train] [--demos 4]
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.data import make_data
 from alignlit.sim.multiturn import HINTS, write_multiturn_sft
+from alignlit.sim.pairs import label_samples, make_extra_pairs
 from alignlit.sim.task import SimTask
 from alignlit.sim.tokenizer import write_tokenizer
 
@@ -142,6 +146,36 @@ def build_parser() -> argparse.ArgumentParser:
         )
     multi.add_argument("--seed", type=int, default=_default(write_multiturn_sft, "seed"))
 
+    more = commands.add_parser(
+        "make-pairs", help="write more annotator-labelled demonstration pairs on unused training prompts"
+    )
+    more.add_argument("--sim", required=True, help="a make-data directory (task, annotator, prompts used)")
+    more.add_argument("--n", type=int, required=True, help="pairs to write, one per new training prompt")
+    more.add_argument("--out", help="output file (default: SIM/pairs_extra_train.jsonl)")
+    more.add_argument("--seed", type=int, default=_default(make_extra_pairs, "seed"))
+
+    label = commands.add_parser(
+        "label-samples", help="annotator-labelled pairs of a policy's samples (an `alignlit sample` output)"
+    )
+    label.add_argument("--sim", required=True, help="a make-data directory (task and annotator)")
+    label.add_argument(
+        "--samples", required=True, help="`alignlit sample --out` file (training prompts only)"
+    )
+    label.add_argument("--out", required=True, help="pair file to write")
+    label.add_argument(
+        "--pairs-per-prompt",
+        type=int,
+        default=_default(label_samples, "pairs_per_prompt"),
+        help="disjoint pairs of different responses per prompt (default: %(default)s)",
+    )
+    label.add_argument("--seed", type=int, default=_default(label_samples, "seed"))
+    label.add_argument(
+        "--include",
+        nargs="*",
+        default=[],
+        help="pair files whose rows go first into --out (e.g. make-pairs' output)",
+    )
+
     show = commands.add_parser("show", help="print a few prompts with demonstrations and their gold reward")
     _add_task_args(show)
     show.add_argument("--split", default="train", choices=("train", "val", "test"))
@@ -164,6 +198,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.sim}:")
         for name, count in rows.items():
             print(f"  {name:<26} {count:>7} rows")
+        return 0
+    if args.command in ("make-pairs", "label-samples"):
+        if args.command == "make-pairs":
+            stats = make_extra_pairs(args.sim, args.n, out=args.out, seed=args.seed)
+            out = args.out or f"{args.sim}/pairs_extra_train.jsonl"
+        else:
+            stats = label_samples(
+                args.sim,
+                args.samples,
+                args.out,
+                pairs_per_prompt=args.pairs_per_prompt,
+                seed=args.seed,
+                include=args.include,
+            )
+            out = args.out
+        print(
+            f"wrote {out}: {stats['rows']} labelled pairs"
+            + (f" after {stats['included_rows']} included ones" if stats.get("included_rows") else "")
+            + "; the annotator agrees with gold on "
+            f"{_fmt(stats['annotator_gold_agreement'])} of those with unequal gold; chosen is the longer in "
+            f"{_fmt(stats['chosen_longer_fraction'])} of unequal-length pairs"
+        )
         return 0
     task = _task(args)
     if args.command == "make-data":

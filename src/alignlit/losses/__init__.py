@@ -15,6 +15,8 @@ from alignlit.losses.preference import (
     ab_preference_loss,
     ab_probability,
     bradley_terry_loss,
+    length_decorrelation_loss,
+    pearson_correlation,
     reward_model_loss,
     score_l2_loss,
 )
@@ -48,7 +50,9 @@ __all__ = [
     "entropy_bonus",
     "implicit_rewards",
     "ipo_loss",
+    "length_decorrelation_loss",
     "masked_nll",
+    "pearson_correlation",
     "policy_gradient_loss",
     "ppo_policy_loss",
     "ppo_value_loss",

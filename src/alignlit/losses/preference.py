@@ -68,6 +68,43 @@ def score_l2_loss(
     return loss, {"l2_loss": loss.detach()}
 
 
+def pearson_correlation(x: torch.Tensor, y: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Differentiable Pearson correlation of two (N,) tensors; 0 when either is constant (a batch whose
+    responses all have one length carries no length signal)."""
+    check_ndim("x", x, 1, "(N,)")
+    check_same_shape(x=x, y=y)
+    y = y.to(x.dtype)
+    dx, dy = x - x.mean(), y - y.mean()
+    sx, sy = dx.pow(2).sum().sqrt(), dy.pow(2).sum().sqrt()
+    if float(sx.detach()) <= eps or float(sy.detach()) <= eps:
+        return (x * 0).sum()  # keeps the graph (zero gradient)
+    return (dx * dy).sum() / (sx * sy)
+
+
+def length_decorrelation_loss(
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Disentanglement term for the quality head: ``|ρ(r_Q(y_w) - r_Q(y_l), |y_w| - |y_l|)|``, the absolute
+    Pearson correlation over the batch's pairs of the quality head's score gap with the length gap.
+
+    ODIN (Chen et al. 2024, eq. 3) decorrelates the scores of all responses with their lengths; here the
+    correlation is taken within pairs, which is what a Bradley-Terry model ranks by: on the simulated task
+    a quality head uncorrelated with length over all responses still preferred the longer response of a
+    pair (most length variation is between prompts), and reached 0.38 accuracy against gold.
+
+    Returns:
+        ``(loss, {"length_corr": ρ})``.
+    """
+    _check_pair(chosen_scores, rejected_scores, ("chosen_scores", "rejected_scores"))
+    check_same_shape(chosen_scores=chosen_scores, chosen_lengths=chosen_lengths)
+    check_same_shape(rejected_scores=rejected_scores, rejected_lengths=rejected_lengths)
+    rho = pearson_correlation(chosen_scores - rejected_scores, chosen_lengths - rejected_lengths)
+    return rho.abs(), {"length_corr": rho.detach()}
+
+
 def reward_model_loss(
     chosen_scores: torch.Tensor,
     rejected_scores: torch.Tensor,
@@ -76,21 +113,33 @@ def reward_model_loss(
     l2_weight: float = 0.0,
     lm_loss: torch.Tensor | None = None,
     lm_weight: float = 0.0,
+    length_scores: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decorrelation_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reward-model objective ``L = L_BT + λ_reg·L_REG + β_lm·L_LM`` (algorithms.md §1).
+    """Reward-model objective ``L = L_BT + λ_reg·L_REG + β_lm·L_LM (+ λ_ρ·|ρ(r_Q, L)|)`` (algorithms.md §1).
+
+    With a length head (ODIN-style disentanglement), the scores are the quality head's ``r_Q`` and
+    ``length_scores`` the length head's ``r_L`` of the same rows: the Bradley-Terry term is taken on
+    ``r_Q + r_L`` (the annotators' preferences, length bias included), the regulariser and the
+    decorrelation term on ``r_Q`` alone, which is what the model is used with.
 
     Args:
-        chosen_scores: (B,) ``r(x, y_w)``.
+        chosen_scores: (B,) ``r(x, y_w)`` (the quality head's, with a length head).
         rejected_scores: (B,) ``r(x, y_l)``.
         margin: optional per-pair margin for :func:`bradley_terry_loss`.
         l2_weight: ``λ_reg``, weight of :func:`score_l2_loss`.
         lm_loss: scalar next-token NLL of ``y_w`` from the backbone's LM head (PPO-max RM), e.g.
             from :func:`alignlit.losses.lm.masked_nll`; required when ``lm_weight > 0``.
         lm_weight: ``β_lm``.
+        length_scores: ``(r_L(y_w), r_L(y_l))``, each (B,): the length head's scores (None: no head).
+        lengths: ``(|y_w|, |y_l|)``, each (B,): response lengths, for the decorrelation term.
+        decorrelation_weight: ``λ_ρ``, weight of :func:`length_decorrelation_loss` (needs ``lengths``).
 
     Returns:
-        ``(loss, metrics)``: the Bradley-Terry metrics, ``l2_loss``, ``lm_loss`` (when given) and
-        ``loss`` (the total).
+        ``(loss, metrics)``: the Bradley-Terry metrics (of ``r_Q + r_L`` with a length head, whose
+        ``accuracy`` is then also given for ``r_Q`` alone as ``quality_accuracy``), ``l2_loss``,
+        ``lm_loss`` (when given), ``length_corr`` (when ``lengths`` are given) and ``loss`` (the total).
     """
     if lm_weight != 0.0 and lm_loss is None:
         raise ValueError(
@@ -98,10 +147,28 @@ def reward_model_loss(
         )
     if lm_loss is not None and lm_loss.dim() != 0:
         raise ValueError(f"lm_loss must be a scalar tensor, got shape {tuple(lm_loss.shape)}")
-    bt, metrics = bradley_terry_loss(chosen_scores, rejected_scores, margin)
+    if decorrelation_weight != 0.0 and lengths is None:
+        raise ValueError(
+            f"decorrelation_weight is {decorrelation_weight} but lengths is None; pass the response lengths"
+        )
+    if length_scores is None:
+        bt, metrics = bradley_terry_loss(chosen_scores, rejected_scores, margin)
+    else:
+        _check_pair(chosen_scores, rejected_scores, ("chosen_scores", "rejected_scores"))
+        check_same_shape(chosen_scores=chosen_scores, chosen_length_scores=length_scores[0])
+        check_same_shape(rejected_scores=rejected_scores, rejected_length_scores=length_scores[1])
+        bt, metrics = bradley_terry_loss(
+            chosen_scores + length_scores[0], rejected_scores + length_scores[1], margin
+        )
+        gap = (chosen_scores - rejected_scores).detach()
+        metrics["quality_accuracy"] = (gap > 0).to(gap.dtype).mean()
     l2, l2_metrics = score_l2_loss(chosen_scores, rejected_scores)
     metrics.update(l2_metrics)
     loss = bt + l2_weight * l2
+    if lengths is not None:
+        decorrelation, corr_metrics = length_decorrelation_loss(chosen_scores, rejected_scores, *lengths)
+        metrics.update(corr_metrics)
+        loss = loss + decorrelation_weight * decorrelation
     if lm_loss is not None:
         loss = loss + lm_weight * lm_loss
         metrics["lm_loss"] = lm_loss.detach()

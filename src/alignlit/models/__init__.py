@@ -30,6 +30,7 @@ __all__ = [
     "train_bpe_tokenizer",
 ]
 
+from alignlit.models.ensemble import RewardEnsemble, combine_scores
 from alignlit.models.reward import (
     ABFormat,
     PreferenceModel,
@@ -42,7 +43,9 @@ from alignlit.models.reward import (
 __all__ += [
     "ABFormat",
     "PreferenceModel",
+    "RewardEnsemble",
     "RewardModel",
+    "combine_scores",
     "load_preference_model",
     "load_reward_model",
     "resolve_model_path",

@@ -11,7 +11,7 @@ from alignlit.modules.online_rrhf import OnlineRRHFModule
 from alignlit.modules.pairpref import PairwisePrefModule
 from alignlit.modules.policy_gradient import PolicyGradientModule
 from alignlit.modules.ppo import PPOModule
-from alignlit.modules.reward import RewardModule
+from alignlit.modules.reward import LengthHead, RewardModule
 from alignlit.modules.rrhf import RRHFModule
 from alignlit.modules.sft import SFTModule
 from alignlit.modules.trajectory import Minibatches, Trajectory
@@ -20,6 +20,7 @@ __all__ = [
     "AlignModule",
     "DPOModule",
     "KLPenalty",
+    "LengthHead",
     "LoRA",
     "Minibatches",
     "OnlineDPOModule",

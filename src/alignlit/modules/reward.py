@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,42 @@ from alignlit.models.reward import REWARD_FORMAT_KEY, end_with_eos, resolve_mode
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LengthHead:
+    """A length head that absorbs the annotators' length bias in training and is dropped at use
+    (ODIN-style disentanglement, Chen et al. 2024).
+
+    The model is trained on ``r(x, y) = r_Q(x, y) + r_L(y)`` with ``r_L(y) = w·|y|`` (``|y|``: response
+    tokens, end token included) and ``w`` one learned number; the quality head's preference within a pair
+    is kept from following the pair's length difference by ``decorrelation·|ρ(Δr_Q, Δ|y|)|`` over each
+    batch's pairs (:func:`~alignlit.losses.preference.length_decorrelation_loss`; ODIN's eq. 3 takes the
+    correlation over responses instead, which on the simulated task left the within-pair length preference
+    in place). Only ``r_Q`` is exported, so every use of the reward model (scoring, RLHF, best-of-n) sees
+    quality without the length bias the annotators' labels carry. ODIN's length head is a second linear
+    head on the hidden state; here it is a function of length alone, so what it absorbs is length by
+    construction, it works with any backbone, and ``w`` is readable: the annotators' preference for length
+    in logits per token (logged as ``train/length_weight``).
+
+    Args:
+        lr: learning rate of ``w`` (its own AdamW group, no weight decay; the schedule follows ``optim``).
+            A single number moves about ``lr`` per step under Adam, so it needs a larger rate than the
+            network's: ``0.02`` reaches a bias of 1 logit/token in about 50 steps.
+        decorrelation: ``λ_ρ``, weight of ``|ρ(Δr_Q, Δ|y|)|`` (0: the head alone).
+    """
+
+    lr: float = 0.02
+    decorrelation: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"length_head.lr must be > 0, got {self.lr}")
+        if self.decorrelation < 0:
+            raise ValueError(f"length_head.decorrelation must be >= 0, got {self.decorrelation}")
+
+
+torch.serialization.add_safe_globals([LengthHead])
 
 
 def load_lm_head(path: str, dtype: torch.dtype) -> nn.Linear:
@@ -60,6 +97,8 @@ class RewardModule(AlignModule):
         train_lm_head: train the LM head of the imitation loss too (default: it stays frozen and
             the loss shapes the backbone only).
         use_margin: use per-pair margins from the data in the Bradley-Terry loss.
+        length_head: train with a length head that absorbs the annotators' length bias and is not
+            exported (:class:`LengthHead`; None: none). Validation reports the exported quality head.
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
         lora: LoRA adapters on the backbone instead of full fine-tuning; the scalar head trains in full
@@ -80,6 +119,7 @@ class RewardModule(AlignModule):
         lm_weight: float = 0.0,
         train_lm_head: bool = False,
         use_margin: bool = True,
+        length_head: LengthHead | None = None,
         optim: Optim = Optim(lr=1e-4, warmup_steps=20),
         dtype: str = "float32",
         histogram: bool = True,
@@ -101,6 +141,10 @@ class RewardModule(AlignModule):
             self.lm_head = load_lm_head(path, self.rm.hf_model.dtype)
             self.lm_head.requires_grad_(train_lm_head)
         self.prepare_trained(self.rm, gradient_checkpointing=gradient_checkpointing)
+        #: the length head's settings (LightningCLI records the config, not the object, in hparams)
+        self.length_head = length_head
+        # r_L = w·|y|: one number, outside the exported model
+        self.length_weight = nn.Parameter(torch.zeros(())) if length_head is not None else None
         self.val_loss = MeanMetric()
         self.val_accuracy = MeanMetric()
         self.val_margin = MeanMetric()
@@ -150,7 +194,14 @@ class RewardModule(AlignModule):
         """``(loss, metrics, scores (2B,))`` of one batch."""
         hp = self.hparams
         scores, lm_loss = self.scores_and_lm_loss(batch)
-        chosen, rejected = scores[: len(batch)], scores[len(batch) :]
+        n = len(batch)
+        chosen, rejected = scores[:n], scores[n:]
+        head = self.length_head
+        length_scores = lengths = None
+        if head is not None:
+            tokens = batch.loss_mask.sum(-1).to(scores.dtype)  # (2B,) response tokens
+            lengths = (tokens[:n], tokens[n:])
+            length_scores = (self.length_weight * lengths[0], self.length_weight * lengths[1])
         loss, metrics = reward_model_loss(
             chosen,
             rejected,
@@ -158,6 +209,9 @@ class RewardModule(AlignModule):
             l2_weight=hp.l2_weight,
             lm_loss=lm_loss,
             lm_weight=hp.lm_weight,
+            length_scores=length_scores,
+            lengths=lengths,
+            decorrelation_weight=head.decorrelation if head is not None else 0.0,
         )
         return loss, metrics, scores
 
@@ -169,6 +223,10 @@ class RewardModule(AlignModule):
         self.log("train/margin", metrics["margin"], batch_size=len(batch))
         if "lm_loss" in metrics:
             self.log("train/lm_loss", metrics["lm_loss"], batch_size=len(batch))
+        if self.length_weight is not None:
+            self.log("train/quality_accuracy", metrics["quality_accuracy"], batch_size=len(batch))
+            self.log("train/length_corr", metrics["length_corr"], batch_size=len(batch))
+            self.log("train/length_weight", self.length_weight.detach(), batch_size=len(batch))
         return loss
 
     def validation_step(self, batch: PreferenceBatch, batch_idx: int) -> None:
@@ -197,6 +255,11 @@ class RewardModule(AlignModule):
                 "val/chosen": chosen.mean(),
                 "val/rejected": rejected.mean(),
                 "val/reward_length_corr": self.val_length_corr.compute(),
+                **(
+                    {"val/length_weight": self.length_weight.detach()}
+                    if self.length_weight is not None
+                    else {}
+                ),
             }
         )
         self.val_length_corr.reset()
@@ -231,4 +294,11 @@ class RewardModule(AlignModule):
         return path
 
     def configure_optimizers(self):
-        return self.configure_adamw([p for p in self.parameters() if p.requires_grad])
+        trained = [p for p in self.parameters() if p.requires_grad and p is not self.length_weight]
+        if self.length_weight is None:
+            return self.configure_adamw(trained)
+        groups = [
+            {"params": trained},
+            {"params": [self.length_weight], "lr": self.length_head.lr, "weight_decay": 0.0},
+        ]
+        return self.optim.build(groups, total_steps=lambda: self.trainer.estimated_stepping_batches)
