@@ -16,7 +16,8 @@ Under ``cuda`` each stage also exports its result to ``OUT/<stage>/export``.
 ``grpo_served`` samples on served vLLM engines (``ALIGNLIT_TEST_ENDPOINTS``, comma-separated ``http://host:port``;
 run by tests/rollout/test_served.py) and records every rollout's samples. ``ALIGNLIT_TEST_CKPT=DIR`` saves a
 checkpoint after every step, ``ALIGNLIT_TEST_RESUME=CKPT`` resumes from one, and ``ALIGNLIT_TEST_KILL=PGID:STEP``
-has rank 0 kill that process group (an engine) when step ``STEP`` starts.
+has rank 0 kill that process group (an engine) when step ``STEP`` starts. ``ALIGNLIT_TEST_STALENESS=K`` sets its
+``rollout.max_staleness`` and ``ALIGNLIT_TEST_EPOCHS=E`` runs the online stages for ``E`` epochs of ``ROLLOUTS`` steps.
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ def _module_and_data(stage: str, work: Path, per_rank: int):
                 engine="vllm_server", endpoints=os.environ["ALIGNLIT_TEST_ENDPOINTS"].split(","),
                 sampling=SamplingParams(temperature=1.0, max_new_tokens=4), samples_per_prompt=2,
                 parity_every=1, parity_tol=1e-3, vllm_args={"timeout_s": 120.0},
+                max_staleness=int(os.environ.get("ALIGNLIT_TEST_STALENESS", "0")),
             ),
             minibatches=Minibatches(size=64),
         )  # fmt: skip
@@ -290,11 +292,12 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
         if kill:
             callbacks.append(_KillAt(*map(int, kill.split(":"))))
         samples = _record_samples(module) if stage == "grpo_served" else []
+        epochs = int(os.environ.get("ALIGNLIT_TEST_EPOCHS", "1"))  # online stages: ROLLOUTS steps an epoch
         trainer = L.Trainer(
             **hardware, logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
             use_distributed_sampler=False, default_root_dir=str(out / stage),
-            **({"max_epochs": 1, "limit_train_batches": ROLLOUTS} if online else {"max_steps": STEPS}),
+            **({"max_epochs": epochs, "limit_train_batches": ROLLOUTS} if online else {"max_steps": STEPS}),
         )  # fmt: skip
         trainer.fit(module, data, ckpt_path=resume or None)
         weights = {

@@ -318,6 +318,20 @@ def test_a_killed_engine_is_named_and_the_run_resumes_from_its_last_checkpoint(
     assert len(state["samples"]) == 1 and state["weight_pushes"] == 1  # only step 1 ran, after one push
 
 
+def test_grpo_at_staleness_one_samples_each_step_from_the_version_before(work, engines, tmp_path):
+    """``max_staleness: 1`` on a served engine, 2 epochs of 2 steps: step j samples from the weights of the start
+    of step j - 1 (version max(0, j - 1)), each of those versions pushed once, every token's label checked."""
+    from tests.distributed import multiproc_fit
+
+    res = _fit(work, "single", tmp_path / "async", [engines[0].url], ALIGNLIT_TEST_STALENESS="1",
+               ALIGNLIT_TEST_EPOCHS="2")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-6000:]
+    state = json.loads((tmp_path / "async" / "grpo_served" / "rank-0.json").read_text())
+    steps = 2 * multiproc_fit.ROLLOUTS
+    assert [sorted(set(s["versions"])) for s in state["samples"]] == [[max(0, j - 1)] for j in range(steps)]
+    assert state["weight_pushes"] == steps - 1 and state["version"] == steps - 2
+
+
 def test_a_push_whose_checksum_differs_fails(engines, tokenizer, policy, trained, monkeypatch):
     """Last: the failed update leaves engine 0 mid-reload."""
     import alignlit.rollout.weight_sync as weight_sync
