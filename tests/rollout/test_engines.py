@@ -306,6 +306,46 @@ def test_check_parity_flags_a_stale_engine(tokenizer, policy, engine):
         check_parity(policy, r, temperature=0.5, tol=1e-3)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_cache": "static"},
+        {"kv_cache": "dynamic", "share_prompt": True},
+        {"kv_cache": "static", "share_prompt": True},
+        pytest.param({"kv_cache": "static", "compile": True}, marks=pytest.mark.slow),
+    ],
+    ids=["static", "share-prompt", "static-share-prompt", "static-compile"],
+)
+def test_engine_variants_sample_the_same_distribution(tokenizer, policy, options):
+    """Every way of running generate keeps the engine's contract: log-probs equal the unpadded float64
+    reference (the engine parity bound), the same prompt layout, the greedy continuations of the default
+    engine, and a seeded call repeats."""
+    engine, default = HFEngine(tokenizer, policy, **options), HFEngine(tokenizer, policy)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    r = engine.generate(PROMPTS, 3, sampling)
+    for j in range(len(r)):
+        prompt, response = real(r, j)
+        ref = naive_logprobs(policy, prompt, response, 1.0).float()
+        torch.testing.assert_close(r.logprobs[j, : len(response)], ref, atol=1e-5, rtol=0)
+    assert logprob_parity(policy, r, temperature=1.0, max_samples=9)["max_abs_diff"] < 1e-5
+    base = default.generate(PROMPTS, 3, sampling)
+    assert torch.equal(r.prompt_ids, base.prompt_ids) and torch.equal(r.prompt_mask, base.prompt_mask)
+    assert torch.equal(engine.generate(PROMPTS, 3, sampling).response_ids, r.response_ids)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    assert torch.equal(
+        engine.generate(PROMPTS, 2, greedy).response_ids, default.generate(PROMPTS, 2, greedy).response_ids
+    )
+
+
+def test_engine_variant_options_are_checked(tokenizer):
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        HFEngine(tokenizer, kv_cache="paged")
+    with pytest.raises(ValueError, match="static KV cache"):
+        HFEngine(tokenizer, compile=True)
+    with pytest.raises(ValueError, match="share_prompt"):
+        HFEngine(tokenizer, kv_cache="static", compile=True, share_prompt=True)
+
+
 def test_bad_inputs_raise(tokenizer, policy, engine):
     with pytest.raises(RuntimeError, match="sync"):
         HFEngine(tokenizer).generate(PROMPTS, 1, SamplingParams())

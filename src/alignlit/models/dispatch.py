@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -67,8 +67,9 @@ def plan_forward(
     *,
     scalar: bool = False,
     fused_head: bool | None = None,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
     layout: Callable[[], str | None] | None = None,
+    saving: Callable[[], float] | None = None,
 ) -> ForwardPlan:
     """Choose how one call runs ``model``: fused head or full logits, packed or padded, and why.
 
@@ -84,6 +85,9 @@ def plan_forward(
         packing: override :attr:`ForwardSettings.packing` (None: the settings in effect).
         layout: says why the batch cannot be packed (None when it can); called only when
             everything else allows packing.
+        saving: with ``packing="auto"``, the share of the padded batch's token positions packing removes
+            (:func:`~alignlit.models.packing.packing_saving`); packed only from
+            :attr:`ForwardSettings.min_packing_saving` (None: packed).
     """
     settings = forward_settings()
     fused = settings.fused_head if fused_head is None else fused_head
@@ -111,4 +115,11 @@ def plan_forward(
         if reason is not None:
             return dataclasses.replace(plan, packed=False, reason=reason)
     reason = layout() if layout is not None else None
+    if reason is None and pack == "auto" and saving is not None:
+        removed = saving()
+        if removed < settings.min_packing_saving:
+            reason = (
+                f"packing would remove {removed:.0%} of the batch's token positions (auto packs from "
+                f"{settings.min_packing_saving:.0%})"
+            )
     return plan if reason is None else dataclasses.replace(plan, packed=False, reason=reason)

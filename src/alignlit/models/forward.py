@@ -25,6 +25,7 @@ Every function here is public: research code computes the same quantities the st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from alignlit.models.batch_layout import (
     scores_reason,
 )
 from alignlit.models.dispatch import plan_forward
-from alignlit.models.packing import HiddenStates, decoder_hidden, prompt_lengths
+from alignlit.models.packing import HiddenStates, decoder_hidden, packing_saving, prompt_lengths
 from alignlit.models.scoring import check_temperature, fused_scored, logits_scored
 from alignlit.ops.stats import masked_mean
 
@@ -96,7 +97,7 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     fused_head: bool | None = None,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
 ) -> TokenLogprobs:
     """Teacher-forced log-probs of the loss-masked tokens of right-padded sequences.
 
@@ -115,7 +116,8 @@ def token_logprobs(
         with_entropy: also return per-position entropies.
         entropy_grad: let gradients flow through the entropies.
         fused_head: override :attr:`~alignlit.models.forward_settings.ForwardSettings.fused_head` (None: the settings in effect).
-        packing: override :attr:`~alignlit.models.forward_settings.ForwardSettings.packing` (None: the settings in effect).
+        packing: override :attr:`~alignlit.models.forward_settings.ForwardSettings.packing` (True, False or
+            ``"auto"``; None: the settings in effect).
 
     Returns:
         :class:`TokenLogprobs` of shape (N, T - 1).
@@ -129,15 +131,17 @@ def token_logprobs(
     options = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
     labels, mask = input_ids[:, 1:], loss_mask[:, 1:].bool()  # (N, T-1)
     attention = attention_mask.bool()
+    prompts = prompt_lengths(attention, loss_mask.bool())  # (N,)
     plan = plan_forward(
-        model, fused_head=fused_head, packing=packing, layout=lambda: right_padding_reason(attention)
-    )
+        model, fused_head=fused_head, packing=packing, layout=lambda: right_padding_reason(attention),
+        saving=lambda: packing_saving(input_ids, attention, prompts),
+    )  # fmt: skip
     if not plan.direct:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
         return _result(logits_scored(logits, labels, mask, **options), mask)
     states = decoder_hidden(
         plan.backbone, plan.config, input_ids, attention_mask, position_ids=None,
-        prompt_lengths=prompt_lengths(attention, loss_mask.bool()) if plan.packed else None,
+        prompt_lengths=prompts if plan.packed else None,
     )  # fmt: skip
     predictor = torch.arange(labels.shape[1], device=input_ids.device).expand_as(
         labels
@@ -152,7 +156,7 @@ def token_nll(
     loss_mask: torch.Tensor,
     *,
     fused_head: bool | None = None,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-mean next-token NLL over the loss-masked tokens of right-padded sequences (SFT, ptx).
 
@@ -191,7 +195,7 @@ def response_token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     fused_head: bool | None = None,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
 ) -> TokenLogprobs:
     """``log_softmax(logits / temperature)`` of each response token given the prompt and earlier tokens.
 
@@ -226,6 +230,7 @@ def response_token_logprobs(
     plan = plan_forward(
         model, fused_head=fused_head, packing=packing,
         layout=lambda: response_reason(attention_mask, predictor, mask),
+        saving=lambda: packing_saving(input_ids, attention_mask, prompt_mask.long().sum(-1)),
     )  # fmt: skip
     if not plan.direct:
         logits = model(
@@ -261,7 +266,7 @@ def response_values(
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
 ) -> torch.Tensor:
     """(B, T) critic values ``V(s_t)``: the head at the position that predicts response token ``t``.
 
@@ -274,8 +279,9 @@ def response_values(
     num_prompt, mask = prompt_ids.shape[1], response_mask.bool()
     predictor = response_predictor(num_prompt, response_ids)
     plan = plan_forward(
-        critic, scalar=True, packing=packing, layout=lambda: response_reason(attention_mask, predictor, mask)
-    )
+        critic, scalar=True, packing=packing, layout=lambda: response_reason(attention_mask, predictor, mask),
+        saving=lambda: packing_saving(input_ids, attention_mask, prompt_mask.long().sum(-1)),
+    )  # fmt: skip
     if not plan.direct:
         values = critic.values(input_ids, attention_mask)[:, num_prompt - 1 : -1]  # (B, T)
         return values * response_mask.to(values.dtype)
@@ -291,7 +297,7 @@ def sequence_scores(
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     *,
-    packing: bool | None = None,
+    packing: bool | Literal["auto"] | None = None,
 ) -> torch.Tensor:
     """(N,) score of each right-padded sequence: a scalar-head model read at its last real token.
 
@@ -305,14 +311,17 @@ def sequence_scores(
             f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
         )
     attention = attention_mask.bool()
-    plan = plan_forward(scalar_model, scalar=True, packing=packing, layout=lambda: scores_reason(attention))
+    scored = loss_mask.bool() if loss_mask is not None else torch.zeros_like(attention)
+    prompts = prompt_lengths(attention, scored)  # (N,)
+    plan = plan_forward(
+        scalar_model, scalar=True, packing=packing, layout=lambda: scores_reason(attention),
+        saving=lambda: packing_saving(input_ids, attention, prompts),
+    )  # fmt: skip
     if not plan.packed:
         return scalar_model(input_ids, attention_mask)
-    scored = loss_mask.bool() if loss_mask is not None else torch.zeros_like(attention)
     states = decoder_hidden(
-        plan.backbone, plan.config, input_ids, attention, position_ids=None,
-        prompt_lengths=prompt_lengths(attention, scored),
-    )  # fmt: skip
+        plan.backbone, plan.config, input_ids, attention, position_ids=None, prompt_lengths=prompts
+    )
     last = attention.long().sum(-1) - 1  # (N,) right padding: the last real token's column
     flat = states.columns.gather(1, last[:, None]).squeeze(1)  # (N,)
     return plan.head(states.hidden[flat]).squeeze(-1)

@@ -12,6 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Literal
+
+MIN_PACKING_SAVING = 0.25
+"""With ``packing="auto"``: the smallest share of a padded batch's token positions a packed forward must
+remove (padding, repeated prompts) for it to run packed (measured: ``benchmarks/bench_packing.py``)."""
 
 
 @dataclass(frozen=True)
@@ -27,11 +32,24 @@ class ForwardSettings:
             prompt (a preference pair, the ``n`` samples of a prompt) hold it once, which each of
             their responses attends to. Attention runs per group of rows sharing a prompt
             (:func:`~alignlit.models.packing.grouped_attention`), so its cost is that of the padded
-            batch. Needs ``fused_head`` for causal LMs (the decoder is called directly).
+            batch. Needs ``fused_head`` for causal LMs (the decoder is called directly). ``"auto"``
+            (the default): per batch, packed when that removes at least ``min_packing_saving`` of the
+            padded batch's token positions (:func:`~alignlit.models.packing.packing_saving`), else padded
+            rows; True: packed whenever possible; False: never.
+        min_packing_saving: the threshold of ``packing="auto"``.
     """
 
     fused_head: bool = True
-    packing: bool = True
+    packing: bool | Literal["auto"] = "auto"
+    min_packing_saving: float = MIN_PACKING_SAVING
+
+    def __post_init__(self) -> None:
+        if self.packing not in (True, False, "auto"):
+            raise ValueError(f"ForwardSettings.packing must be True, False or 'auto', got {self.packing!r}")
+        if not 0.0 <= self.min_packing_saving < 1.0:
+            raise ValueError(
+                f"ForwardSettings.min_packing_saving must be in [0, 1), got {self.min_packing_saving}"
+            )
 
 
 _DEFAULT_SETTINGS = ForwardSettings()

@@ -53,6 +53,29 @@ def prompt_lengths(attention_mask: torch.Tensor, scored_tokens: torch.Tensor) ->
     return first
 
 
+def _groups(sequences: list[torch.Tensor], prompts: list[int]) -> list[list[int]]:
+    """The rows whose first ``prompts[i]`` real tokens are equal, in order of first appearance."""
+    groups: dict[bytes, list[int]] = {}
+    for i, (seq, p) in enumerate(zip(sequences, prompts)):
+        key = seq[:p].numpy().tobytes() + b"|" + str(p).encode() if p else f"row{i}".encode()
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def packing_saving(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor
+) -> float:
+    """The share of the padded batch's ``N * T`` token positions that a packed forward does not run:
+    ``1 - packed / (N * T)``, ``packed`` the real tokens with each shared prompt counted once
+    (:func:`pack`'s sequence length). 0 for a batch without padding or shared prompts."""
+    mask_cpu = attention_mask.cpu().bool()
+    lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
+    sequences = [row[m] for row, m in zip(input_ids.cpu(), mask_cpu)]
+    packed = sum(prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in _groups(sequences, prompts))
+    padded = input_ids.numel()
+    return 1.0 - packed / padded if padded else 0.0
+
+
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor) -> Packed:
     """Pack the real tokens of ``input_ids`` (N, T) into one sequence; rows whose first
     ``prompt_lengths`` real tokens are equal form a group that holds them once."""
@@ -60,11 +83,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: 
     ids_cpu, mask_cpu = input_ids.cpu(), attention_mask.cpu().bool()
     lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
     sequences = [row[m] for row, m in zip(ids_cpu, mask_cpu)]
-    groups: dict[bytes, list[int]] = {}
-    for i, (seq, p) in enumerate(zip(sequences, prompts)):
-        key = seq[:p].numpy().tobytes() + b"|" + str(p).encode() if p else f"row{i}".encode()
-        groups.setdefault(key, []).append(i)
-    members = list(groups.values())
+    members = _groups(sequences, prompts)
     sizes = [prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in members]
     width = max(sizes, default=1)
     tokens: list[torch.Tensor] = []

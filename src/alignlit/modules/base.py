@@ -299,6 +299,12 @@ class AlignModule(L.LightningModule):
             parallelize_causal_lm(getattr(model, "hf_model", model), mesh, reshard_after_forward=True)
         self._parallelized = True
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """Step, then free the gradients: Lightning zeroes them only after the next step's forward, so
+        they would sit beside its activations (``benchmarks/bench_memory.py``)."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.device_mesh is None or not gradient_clip_val:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

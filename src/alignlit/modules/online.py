@@ -329,6 +329,7 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         self.manual_backward(loss)
         norm = self.clip_grad_norm(model.parameters(), self.max_grad_norm)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # not held through the next rollout's forwards
         self._stepped.add(index)
         return norm
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation import CompileConfig
 
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.postprocess import (
@@ -58,20 +60,48 @@ class HFEngine:
     the same ``micro_batch_size`` gives the same samples, and the global RNG state is unchanged
     afterwards. Without a seed the global RNG is used (and advanced).
 
+    How ``generate`` runs (the samples' distribution and log-probs are the same either way; measured in
+    ``benchmarks/bench_generation.py``):
+
     Args:
         tokenizer: the policy's tokenizer; must have a pad token.
         model: the policy; may be given later with :meth:`sync`.
         micro_batch_size: most prompts per ``generate`` call (None: all at once).
+        kv_cache: Hugging Face's ``"dynamic"`` KV cache (grown every step) or its ``"static"`` one
+            (preallocated for the prompt plus ``max_new_tokens``).
+        compile: ``torch.compile`` the decoding step (Hugging Face's compiled forward; needs the static
+            cache; the first call of each batch shape compiles it).
+        share_prompt: with ``n > 1`` samples per prompt, run each prompt through the model once and
+            give its ``n`` samples copies of its KV cache, instead of ``n`` copies of the prompt (not
+            with ``compile``).
     """
 
     def __init__(
-        self, tokenizer, model: torch.nn.Module | None = None, *, micro_batch_size: int | None = None
+        self,
+        tokenizer,
+        model: torch.nn.Module | None = None,
+        *,
+        micro_batch_size: int | None = None,
+        kv_cache: Literal["dynamic", "static"] = "dynamic",
+        compile: bool = False,
+        share_prompt: bool = False,
     ):
         require_pad_token(tokenizer)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+        if kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
+        if compile and kv_cache != "static":
+            raise ValueError(
+                "compile=True compiles the decoding step over a static KV cache: set kv_cache='static'"
+            )
+        if share_prompt and compile:
+            raise ValueError(
+                "share_prompt=True hands generate a prefilled cache, which the compiled step does not take"
+            )
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
+        self.kv_cache, self.compile, self.share_prompt = kv_cache, compile, share_prompt
         self.model: torch.nn.Module | None = None
         if model is not None:
             self.sync(model)
@@ -151,6 +181,14 @@ class HFEngine:
             output_logits=True,
             num_beams=1,
         )
+        if self.kv_cache == "static":
+            common["cache_implementation"] = "static"
+        if self.compile:
+            compile_config = CompileConfig(fullgraph=False, dynamic=None)
+            compile_config._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+            common["compile_config"] = compile_config
+        else:
+            common["disable_compile"] = True
         if sampling.temperature == 0:
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(
@@ -160,6 +198,30 @@ class HFEngine:
             top_p=sampling.top_p,
             **common,
         )
+
+    def _shared_prompt_cache(
+        self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, max_new_tokens: int
+    ) -> DynamicCache | StaticCache:
+        """The KV cache of every prompt column but the last, computed once per prompt ``(b, p)`` and
+        repeated for its ``n`` samples; ``generate`` then runs the last prompt column and samples."""
+        config = self.model.config
+        if self.kv_cache == "static":  # sized as generate sizes its own: the prompt plus the new tokens
+            cache = StaticCache(config=config, max_cache_len=prompt_ids.shape[1] + max_new_tokens)
+        else:
+            cache = DynamicCache(config=config)
+        positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as generate's
+        self.model(
+            input_ids=prompt_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+            position_ids=positions[:, :-1], past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        if isinstance(cache, DynamicCache):
+            cache.batch_repeat_interleave(n)
+            return cache
+        for layer in cache.layers:  # a static layer has no batch_repeat_interleave of its own
+            layer.keys = layer.keys.repeat_interleave(n, dim=0)
+            layer.values = layer.values.repeat_interleave(n, dim=0)
+            layer.batch_size = layer.keys.shape[0]
+        return cache
 
     def _generate_chunk(
         self,
@@ -173,9 +235,17 @@ class HFEngine:
         """Generate for one chunk of prompts; returns ``len(chunk) * n`` raw samples in rollout order."""
         real_cols = prompt_mask.any(0).nonzero()
         first = int(real_cols[0]) if len(real_cols) else 0
-        input_ids = prompt_ids[:, first:].repeat_interleave(n, dim=0).to(device)  # (b*n, p)
-        attention_mask = prompt_mask[:, first:].repeat_interleave(n, dim=0).long().to(device)  # (b*n, p)
+        prompts, prompt_attention = prompt_ids[:, first:].to(device), prompt_mask[:, first:].long().to(device)
+        input_ids = prompts.repeat_interleave(n, dim=0)  # (b*n, p)
+        attention_mask = prompt_attention.repeat_interleave(n, dim=0)  # (b*n, p)
         width = input_ids.shape[1]
+        extra = {}
+        generation_config = self._generation_config(sampling, eos_ids)
+        if self.share_prompt and n > 1 and width > 1:
+            extra["past_key_values"] = self._shared_prompt_cache(
+                prompts, prompt_attention, n, sampling.max_new_tokens
+            )
+            generation_config.cache_implementation = None  # the cache is given
         criteria = StoppingCriteriaList()
         stop_criteria = None
         if sampling.stop:
@@ -189,8 +259,9 @@ class HFEngine:
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                generation_config=self._generation_config(sampling, eos_ids),
+                generation_config=generation_config,
                 stopping_criteria=criteria,
+                **extra,
             )
         finally:
             self.model.generation_config = stored
