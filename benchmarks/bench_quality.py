@@ -160,7 +160,7 @@ GRIDS: dict[str, list[dict] | tuple[str, tuple[float, ...]]] = {
     # RLVR: the length of training (rollouts of 80 responses); gold and KL to SFT both grow with it, and
     # --max-val-kl (a row's max_val_kl) keeps the choice within a KL budget
     **{
-        m: [{"trainer.limit_train_batches": r} for r in (40, 60, 80, 100, 120)]
+        m: [{"trainer.limit_train_batches": r} for r in (60, 80, 100)]
         for m in (
             "grpo-verifiable",
             "dr-grpo-verifiable",
@@ -169,8 +169,8 @@ GRIDS: dict[str, list[dict] | tuple[str, tuple[float, ...]]] = {
             "dapo-verifiable",
         )
     },
-    "ppo-verifiable": [{"trainer.limit_train_batches": r} for r in (20, 30, 40, 50, 60)],
-    "dapo-verifiable-long": [{"trainer.limit_train_batches": r} for r in (160, 200, 240, 280)],
+    "ppo-verifiable": [{"trainer.limit_train_batches": r} for r in (30, 40, 50)],
+    "dapo-verifiable-long": [{"trainer.limit_train_batches": r} for r in (200, 260)],
 }
 
 # Rough wall times (s) of one stage on 2 idle CPU cores with the paper-scale configs, for the first ETA;
