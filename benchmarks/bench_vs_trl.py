@@ -20,10 +20,14 @@ writes ``benchmarks/results/vs_trl.json``.
     python benchmarks/bench_vs_trl.py                       # TRL must be importable (nox -s bench)
     python benchmarks/bench_vs_trl.py --workloads dpo_cached --reps 1 --steps 10
     python benchmarks/bench_vs_trl.py --trl-python /path/to/venv/bin/python
+    python benchmarks/bench_vs_trl.py --workloads grpo,rloo     # the online step (see vs_trl_online.py)
 
 alignlit runs its stage modules (SFTModule, RewardModule, DPOModule) under a Lightning Trainer with
 their own collation; TRL runs SFTTrainer, RewardTrainer and DPOTrainer with ``padding_free`` off
-(their default) and its defaults otherwise.
+(their default) and its defaults otherwise. The online workloads (``grpo``: GRPOTrainer vs
+PolicyGradientModule; ``rloo``: RLOOTrainer vs PolicyGradientModule) are described in
+``benchmarks/vs_trl_online.py``: samples/s, the step split into generate / score / log-probs / update,
+and a loss check on the same completions.
 """
 
 from __future__ import annotations
@@ -40,7 +44,18 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKLOADS = ("sft", "reward", "dpo_cached", "dpo_live")
+from vs_trl_online import (
+    ONLINE_WORKLOADS,
+    MemoryWindow,
+    alignlit_online_worker,
+    build_online_assets,
+    print_online,
+    summarise_online,
+    trl_online_worker,
+)
+
+OFFLINE_WORKLOADS = ("sft", "reward", "dpo_cached", "dpo_live")
+WORKLOADS = OFFLINE_WORKLOADS + ONLINE_WORKLOADS
 SIDES = ("alignlit", "trl")
 TRL_VERSION = "1.16.0"
 MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, intermediate_size=640)
@@ -63,10 +78,11 @@ def build_assets(root: Path, args) -> dict:
 
     needed = args.batch_size * (args.warmup + args.steps)
     sim = root / "sim"
-    make_data(sim, seed=0, n_sft=needed, n_pairs=needed, n_prompts=10, n_val=10, n_test=10)
+    prompts = max(10, args.rollout_prompts * (args.online_warmup + args.rollouts))
+    make_data(sim, seed=0, n_sft=needed, n_pairs=needed, n_prompts=prompts, n_val=10, n_test=10)
     write_tokenizer(str(sim), vocab_size=args.vocab)
     tokenizer = load_tokenizer(sim / "tokenizer")
-    policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=128, **MODEL)
+    policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=512, **MODEL)
     export_pretrained(policy, tokenizer, root / "policy", stage="bench")
     torch.manual_seed(1)  # the reward model's fresh scalar head, saved so both sides load the same one
     reward = AutoModelForSequenceClassification.from_pretrained(str(root / "policy"), num_labels=1)
@@ -192,20 +208,26 @@ def mark_optimizer_update() -> None:
 
 
 class StepClock:
-    """Wall and CPU time at the end of every optimizer step, the first step's loss, and (``profile``)
-    a torch.profiler breakdown of the timed steps."""
+    """Wall and CPU time at the end of every optimizer step, the first step's loss, (``profile``)
+    a torch.profiler breakdown of the timed steps, and (``memory``) the peak memory of the first timed
+    step (``vs_trl_online.MemoryWindow``)."""
 
-    def __init__(self, warmup: int, total: int, profile: bool = False):
-        self.warmup, self.total, self.profile = warmup, total, profile
+    def __init__(self, warmup: int, total: int, profile: bool = False, memory: bool = False):
+        self.warmup, self.total, self.profile, self.memory = warmup, total, profile, memory
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.first_loss: float | None = None
         self.profiler = None
         self.events = None
+        self.window = MemoryWindow() if memory else None
 
     def tick(self) -> None:
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        if self.window is not None and len(self.wall) == self.warmup:
+            self.window.start()
+        elif self.window is not None and len(self.wall) == self.warmup + 1:
+            self.window.stop()
         if self.profile and len(self.wall) == self.warmup:
             from torch.profiler import ProfilerActivity, profile
 
@@ -226,6 +248,8 @@ class StepClock:
             "first_loss": self.first_loss,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if self.window is not None:
+            out["memory"] = self.window.result
         if self.events is not None:
             out["profile_ms_per_step"] = step_breakdown(self.events, seconds, steps)
             averages = sorted(self.events.key_averages(), key=lambda a: -a.self_cpu_time_total)
@@ -252,8 +276,9 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
         min_lr_ratio=1.0,
         fused=False if args.no_fused_adamw else None,  # None: alignlit's default (fused where it applies)
     )
-    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile)
+    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile, getattr(args, "memory", False))
     size = args.batch_size
+    checkpointing = getattr(args, "gradient_checkpointing", False)
 
     class Clock(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -265,7 +290,7 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
         data = [
             Encoded(e["input_ids"], e["prompt_length"]) for e in json.loads((root / "sft.json").read_text())
         ]
-        module = SFTModule(policy=str(root / "policy"), optim=optim)
+        module = SFTModule(policy=str(root / "policy"), optim=optim, gradient_checkpointing=checkpointing)
         pad = module.tokenizer.pad_token_id
 
         def collate(examples):
@@ -278,7 +303,9 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
             rejected = Encoded(prompt + e["rejected_ids"], len(prompt))
             data.append(PairExample(chosen, rejected, 0.0, Pair(e["prompt"], e["chosen"], e["rejected"])))
         if workload == "reward":
-            module = RewardModule(model=str(root / "reward"), optim=optim, histogram=False)
+            module = RewardModule(
+                model=str(root / "reward"), optim=optim, histogram=False, gradient_checkpointing=checkpointing
+            )
         else:
             module = DPOModule(
                 policy=str(root / "policy"),
@@ -287,6 +314,7 @@ def alignlit_worker(workload: str, root: Path, args) -> dict:
                 precompute_reference=workload == "dpo_cached",
                 reference_cache_dir=str(root / f"cache-{os.getpid()}"),
                 optim=optim,
+                gradient_checkpointing=checkpointing,
             )
         pad = module.tokenizer.pad_token_id
 
@@ -333,7 +361,7 @@ def trl_worker(workload: str, root: Path, args) -> dict:
 
     from alignlit.data.tokenizer import load_tokenizer
 
-    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile)
+    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile, getattr(args, "memory", False))
     tokenizer = load_tokenizer(root / "policy")
     common = dict(
         output_dir=str(root / f"trl-{os.getpid()}"),
@@ -349,7 +377,7 @@ def trl_worker(workload: str, root: Path, args) -> dict:
         # TRL's default with torch >= 2.8 is the fused kernel, as alignlit's; --no-fused-adamw: both loop
         optim="adamw_torch" if args.no_fused_adamw else "adamw_torch_fused",
         bf16=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
         use_cpu=True,
         report_to="none",
         save_strategy="no",
@@ -430,7 +458,10 @@ def worker_main(args) -> None:
 
     torch.set_num_threads(args.threads)
     root = Path(args.assets)
-    if args.worker == "alignlit":
+    if args.workload in ONLINE_WORKLOADS:
+        worker = alignlit_online_worker if args.worker == "alignlit" else trl_online_worker
+        result = worker(args.workload, root, args, "check" if args.check else "timed")
+    elif args.worker == "alignlit":
         result = alignlit_worker(args.workload, root, args)
     else:
         result = trl_worker(args.workload, root, args)
@@ -440,7 +471,7 @@ def worker_main(args) -> None:
 # ------------------------------------------------------------------------------------- driver
 
 
-def run_worker(python: str, side: str, workload: str, root: Path, args) -> dict:
+def run_worker(python: str, side: str, workload: str, root: Path, args, check: bool = False) -> dict:
     command = [
         python, __file__, "--worker", side, "--workload", workload, "--assets", str(root),
         "--threads", str(args.threads), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
@@ -449,6 +480,11 @@ def run_worker(python: str, side: str, workload: str, root: Path, args) -> dict:
         *(["--no-packing"] if args.no_packing else []), *(["--no-fused-head"] if args.no_fused_head else []),
         *(["--compile"] if args.compile else []), *(["--profile"] if args.profile else []),
         *(["--no-fused-adamw"] if args.no_fused_adamw else []),
+        "--rollouts", str(args.rollouts), "--online-warmup", str(args.online_warmup),
+        "--rollout-prompts", str(args.rollout_prompts), "--group", str(args.group),
+        "--minibatch", str(args.minibatch), "--max-new-tokens", str(args.max_new_tokens),
+        "--online-lr", str(args.online_lr), *(["--check"] if check else []),
+        "--prompt-words", str(args.prompt_words),
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -458,6 +494,7 @@ def run_worker(python: str, side: str, workload: str, root: Path, args) -> dict:
         "HF_HUB_OFFLINE": "1",
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONWARNINGS": "ignore",
+        "BENCH_SIM_DIR": str(root / "sim"),
     }
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -544,7 +581,24 @@ def main() -> None:
         "shared machine spinning threads made step times vary 20-fold)",
     )
     parser.add_argument("--loss-tol", type=float, default=1e-5)
-    parser.add_argument("--out", default="benchmarks/results/vs_trl.json")
+    online = parser.add_argument_group("online workloads (grpo, rloo)")
+    online.add_argument("--rollouts", type=int, default=6, help="timed rollouts per run")
+    online.add_argument("--online-warmup", type=int, default=1, help="untimed rollouts before them")
+    online.add_argument("--rollout-prompts", type=int, default=8, help="prompts per rollout")
+    online.add_argument("--group", type=int, default=4, help="samples per prompt")
+    online.add_argument("--minibatch", type=int, default=16, help="samples per optimizer step")
+    online.add_argument("--max-new-tokens", type=int, default=32)
+    online.add_argument("--online-lr", type=float, default=1e-5)
+    online.add_argument(
+        "--prompt-words", type=int, default=0, help="symbols of context before each prompt (long prompts)"
+    )
+    parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON written (default: benchmarks/results/vs_trl.json, or vs_trl_online.json when every workload "
+        "is an online one)",
+    )
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--assets", help=argparse.SUPPRESS)
@@ -560,11 +614,17 @@ def main() -> None:
     trl_version = check_trl(args.trl_python)
     peak = matmul_peak(args.threads)
     load_start = os.getloadavg()
-    results, failures = [], []
+    results, online_results, failures = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         assets = build_assets(root, args)
+        if any(w in ONLINE_WORKLOADS for w in workloads):
+            assets["online"] = build_online_assets(root, args)
         for workload in workloads:
+            if workload in ONLINE_WORKLOADS:
+                online_results.append(run_online(workload, root, args, failures))
+                print_online(online_results[-1:], args)
+                continue
             tokens = batch_tokens(workload, assets, args)
             runs: dict[str, list[dict]] = {side: [] for side in SIDES}
             for rep in range(args.reps):
@@ -584,9 +644,62 @@ def main() -> None:
             r[side]["mfu"] = r[side]["tflops"] * 1e12 / peak
 
     print(
-        f"\nmodel: tiny Llama, {assets['parameters'] / 1e6:.2f}M parameters, vocab {assets['vocab']}; "
+        f"\nmodel: tiny Llama, {assets['parameters'] / 1e6:.2f}M parameters, vocab {assets['vocab']}; TRL {trl_version}"
+    )
+    if results:
+        print_offline(results, args, peak)
+    if online_results:
+        print_online(online_results, args)
+    online_only = all(w in ONLINE_WORKLOADS for w in workloads)
+    out = Path(args.out or f"benchmarks/results/{'vs_trl_online' if online_only else 'vs_trl'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "vs_trl",
+        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "assets", "check")},
+        "model": {"parameters": assets["parameters"], "matmul_parameters": assets["matmul_parameters"],
+                  "vocab": assets["vocab"], **MODEL},
+        "trl": trl_version,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_at_start": load_start,
+            "load_average_at_end": os.getloadavg(),
+            "matmul_peak_flops": peak,
+        },
+        "results": results,
+        "online_results": online_results,
+        "failures": failures,
+    }  # fmt: skip
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out}")
+    if failures:
+        raise SystemExit("; ".join(failures))
+
+
+def run_online(workload: str, root: Path, args, failures: list[str]) -> dict:
+    """The loss check (one untimed run per side on the driver's completions), then ``--reps`` timed runs
+    per side, alternating."""
+    checks = {}
+    for side in SIDES:
+        python = args.trl_python if side == "trl" else sys.executable
+        checks[side] = run_worker(python, side, workload, root, args, check=True)
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for rep in range(args.reps):
+        for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+            python = args.trl_python if side == "trl" else sys.executable
+            runs[side].append(run_worker(python, side, workload, root, args))
+            print(f"  {workload} rep {rep} {side}: {runs[side][-1]['seconds']:.2f} s", flush=True)
+    result = summarise_online(workload, runs, checks, args)
+    for name, diff in result.get("check_diffs", {}).items():
+        if diff > args.loss_tol:
+            failures.append(f"{workload}: {name} differs by {diff:.3g} (> {args.loss_tol})")
+    return result
+
+
+def print_offline(results: list[dict], args, peak: float) -> None:
+    print(
         f"batch {args.batch_size}, max_length {args.max_length}, {args.steps} timed steps after {args.warmup}, "
-        f"{args.reps} reps, {args.threads} threads; TRL {trl_version}; matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"{args.reps} reps, {args.threads} threads; matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
     header = (
         f"{'workload':<11} {'side':<8} {'ex/s':>7} {'tok/s real':>10} {'tok/s pad':>10} {'CPU ms/step':>11} "
@@ -612,28 +725,6 @@ def main() -> None:
                 total = sum(p.values())
                 cells = " ".join(f"{p[k]:>7.1f} ({100 * p[k] / total:>3.0f}%)" for k in keys)
                 print(f"{r['alignlit']['workload']:<11} {side:<8} {cells}  total {total:.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": "vs_trl",
-        "config": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "assets")},
-        "model": {"parameters": assets["parameters"], "matmul_parameters": assets["matmul_parameters"],
-                  "vocab": assets["vocab"], **MODEL},
-        "trl": trl_version,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_at_start": load_start,
-            "load_average_at_end": os.getloadavg(),
-            "matmul_peak_flops": peak,
-        },
-        "results": results,
-        "failures": failures,
-    }  # fmt: skip
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out}")
-    if failures:
-        raise SystemExit("; ".join(failures))
 
 
 if __name__ == "__main__":
