@@ -60,8 +60,10 @@ class HFEngine:
     the same ``micro_batch_size`` gives the same samples, and the global RNG state is unchanged
     afterwards. Without a seed the global RNG is used (and advanced).
 
-    How ``generate`` runs (the samples' distribution and log-probs are the same either way; measured in
-    ``benchmarks/bench_generation.py``):
+    ``kv_cache``, ``compile`` and ``share_prompt`` choose how ``generate`` runs; the samples'
+    distribution and log-probs are the same either way. None is faster at every shape measured
+    (``benchmarks/bench_generation.py``; the README's Performance section): the static cache with a
+    shared prompt pays with many samples of long prompts, so the default stays the dynamic cache.
 
     Args:
         tokenizer: the policy's tokenizer; must have a pad token.
