@@ -1,0 +1,306 @@
+"""Peak memory and step time at a real vocabulary: alignlit vs TRL 1.16 on a Qwen2.5-0.5B-shaped model.
+
+The model is Qwen2.5-0.5B's architecture built from its config with random weights (vocabulary
+151,936, hidden 896, MLP 4864, 14 query heads and 2 key/value heads of 64, tied embeddings, rope θ 1e6)
+with ``--layers`` of its 24 decoder layers (the vocabulary-driven parts, the embedding and the LM head,
+are those of the real model; the layers' activations scale with their number). One process per
+measurement, each side's own trainer (alignlit's stage modules under Lightning, TRL's SFTTrainer,
+RewardTrainer, DPOTrainer and GRPOTrainer), fused AdamW on both sides, for each sequence length:
+
+- ``sft``: ``--rows`` rows of ``L`` tokens, the last 3/4 scored;
+- ``dpo``: one pair, prompt ``L/2`` and two responses of ``L/2`` (rows of ``L``), live reference;
+- ``reward``: the same pair through a scalar-head model;
+- ``grpo``: one update on the ``--group`` samples of one prompt (prompt ``L/4``, responses ``3L/4``,
+  fixed completions instead of sampling, the same on both sides), with the old and reference log-probs
+  and the k3 KL term (``vs_trl_online``'s settings).
+
+Peak memory is measured over the second step (the first creates the optimizer states): the tensors alive
+at its start (parameters of every model, gradients, optimizer states: "resident") plus the most bytes
+allocated at once above that during the step (torch.profiler allocation events: "transient"); the
+process's peak RSS is reported beside it. Variants: alignlit with its defaults (fused chunked LM-head
+log-probs, packed rows), with full logits (``ForwardSettings(fused_head=False)``), with activation
+checkpointing; TRL with its defaults (TRL 1.16 always computes log-probs with its own fused LM head,
+``add_fused_lm_head``, tiles of 4096 positions x 32768 vocabulary entries, every position on CPU) and
+with activation checkpointing. Few steps: a memory benchmark; the step times are those of the
+profiled step.
+
+This CPU has no native bfloat16 (no avx512_bf16/amx flags), so the model runs in float32 (``--dtype``).
+Each cell is written to the JSON as it finishes, and a rerun skips finished cells (``--fresh``: redo).
+
+    python benchmarks/bench_memory.py --trl-python /work/venv-bench/bin/python
+    python benchmarks/bench_memory.py --lengths 512 --workloads dpo,grpo --layers 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKLOADS = ("sft", "dpo", "reward", "grpo")
+VARIANTS = {  # name: (side, flags)
+    "alignlit": ("alignlit", []),
+    "alignlit full logits": ("alignlit", ["--no-fused-head"]),
+    "alignlit checkpointing": ("alignlit", ["--gradient-checkpointing"]),
+    "trl": ("trl", []),
+    "trl checkpointing": ("trl", ["--gradient-checkpointing"]),
+}
+QWEN = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+)  # fmt: skip
+
+
+def build_assets(root: Path, args) -> None:
+    """The model directories (policy, reward model), the tokenizer and the data of every length."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
+
+    from alignlit.data.tokenizer import load_tokenizer
+    from alignlit.sim import make_data, write_tokenizer
+
+    make_data(root / "sim", seed=0, n_sft=10, n_pairs=10, n_prompts=10, n_val=10, n_test=10)
+    write_tokenizer(str(root / "sim"), vocab_size=512)
+    tokenizer = load_tokenizer(root / "sim" / "tokenizer")
+    config = Qwen2Config(
+        **QWEN, num_hidden_layers=args.layers, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(str(root / "policy"))
+    tokenizer.save_pretrained(str(root / "policy"))
+    del model
+    torch.manual_seed(1)
+    reward = AutoModelForSequenceClassification.from_pretrained(str(root / "policy"), num_labels=1)
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(str(root / "reward"))
+    tokenizer.save_pretrained(str(root / "reward"))
+    del reward
+
+    special = set(tokenizer.all_special_ids)
+    plain = [i for i in range(len(tokenizer)) if i not in special]
+    task_prompt = json.loads((root / "sim" / "prompts_train.jsonl").read_text().splitlines()[0])["prompt"]
+    rng = random.Random(0)
+    for length in args.lengths:
+        folder = root / f"L{length}"
+        folder.mkdir()
+        ids = lambda k: [rng.choice(plain) for _ in range(k)]  # noqa: E731
+        sft = [{"input_ids": ids(length), "prompt_length": length // 4} for _ in range(args.rows * 2)]
+        pairs = [
+            {"prompt_ids": ids(length // 2), "chosen_ids": ids(length // 2), "rejected_ids": ids(length // 2),
+             "prompt": "p", "chosen": "c", "rejected": "r"}
+            for _ in range(2)
+        ]  # fmt: skip
+        prompt = grpo_prompt(tokenizer, task_prompt, length // 4)
+        completions = [ids(length - length // 4) for _ in range(args.group)]
+        (folder / "sft.json").write_text(json.dumps(sft))
+        (folder / "pairs.json").write_text(json.dumps(pairs))
+        (folder / "prompts.json").write_text(json.dumps([prompt, prompt]))
+        (folder / "check_batch.json").write_text(json.dumps({"completion_ids": completions}))
+        for name in ("policy", "reward", "sim"):
+            (folder / name).symlink_to(root / name)
+
+
+def grpo_prompt(tokenizer, task_prompt: str, tokens: int) -> str:
+    """The task prompt after context symbols (``vs_trl_online.with_context``, which the reward strips),
+    about ``tokens`` tokens in all."""
+    from vs_trl_online import with_context
+
+    words = max(0, tokens - len(tokenizer(task_prompt)["input_ids"]))
+    while words and len(tokenizer(with_context(task_prompt, words, 0))["input_ids"]) > tokens:
+        words -= 1
+    return with_context(task_prompt, words, 0)
+
+
+def worker(args) -> None:
+    """One measurement in this process; prints ``RESULT {json}``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).parent))
+    root = Path(args.assets)
+    common = dict(
+        lr=1e-5, weight_decay=0.0, batch_size=args.rows, warmup=1, steps=1, profile=False, compile=False,
+        no_fused_adamw=False, no_packing=False, no_fused_head=args.no_fused_head, max_length=args.length,
+        max_prompt_length=args.length, memory=True, gradient_checkpointing=args.gradient_checkpointing,
+        # the online workloads: one prompt, --group samples, one update per rollout
+        rollout_prompts=1, group=args.group, minibatch=args.group, max_new_tokens=args.length - args.length // 4,
+        online_lr=1e-5, online_warmup=0, rollouts=2,
+    )  # fmt: skip
+    ns = argparse.Namespace(**common)
+    if args.workload == "grpo":
+        import vs_trl_online
+
+        fn = (
+            vs_trl_online.alignlit_online_worker
+            if args.side == "alignlit"
+            else vs_trl_online.trl_online_worker
+        )
+        result = fn("grpo", root, ns, "memory")
+    else:
+        import bench_vs_trl
+
+        workload = "dpo_live" if args.workload == "dpo" else args.workload
+        if args.workload != "sft":
+            ns.batch_size = 1  # one pair
+        fn = bench_vs_trl.alignlit_worker if args.side == "alignlit" else bench_vs_trl.trl_worker
+        out = fn(workload, root, ns)
+        result = {**out["memory"], "peak_rss_mb": out["peak_rss_mb"], "losses": [out["first_loss"]]}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_cell(python: str, side: str, flags: list[str], workload: str, length: int, root: Path, args) -> dict:
+    command = [
+        python, __file__, "--worker", side, "--workload", workload, "--length", str(length),
+        "--assets", str(root / f"L{length}"), "--threads", str(args.threads), "--rows", str(args.rows),
+        "--group", str(args.group), *flags,
+    ]  # fmt: skip
+    env = {
+        **os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE",
+        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+        "BENCH_SIM_DIR": str(root / "sim"),
+    }  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout[-2000:] + proc.stderr[-6000:]).strip()
+        return {
+            "status": "failed",
+            "exit": proc.returncode,
+            "error": tail.splitlines()[-1] if tail else "",
+            "log": tail,
+        }
+    return {"status": "ok", **json.loads(lines[-1][len("RESULT ") :])}
+
+
+def table(cells: list[dict], args) -> str:
+    """A markdown table of the cells, alignlit's peak over TRL's (same length, same checkpointing)."""
+    by_key = {(c["workload"], c["length"], c["variant"]): c for c in cells if c.get("status") == "ok"}
+    rows = [
+        "| workload | L | variant | peak MB | resident MB | transient MB | step s | RSS MB | peak / TRL's |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        if c.get("status") != "ok":
+            rows.append(
+                f"| {c['workload']} | {c['length']} | {c['variant']} | {c.get('status')}: {c.get('error', '')[:80]} | | | | | |"
+            )
+            continue
+        reference = "trl checkpointing" if "checkpointing" in c["variant"] else "trl"
+        trl = by_key.get((c["workload"], c["length"], reference))
+        ratio = (
+            f"**{c['peak_mb'] / trl['peak_mb']:.2f}**" if trl and c["variant"].startswith("alignlit") else ""
+        )
+        rows.append(
+            f"| {c['workload']} | {c['length']} | {c['variant']} | {c['peak_mb']:.0f} | {c['resident_mb']:.0f} | "
+            f"{c['transient_peak_mb']:.0f} | {c['step_s']:.1f} | {c['peak_rss_mb']:.0f} | {ratio} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--lengths", default="512,1024,2048", help="comma-separated sequence lengths")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--ablation-lengths",
+        default="2048",
+        help="lengths at which the variants other than 'alignlit' and 'trl' run (default: the longest)",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--rows", type=int, default=2, help="sft: rows per step")
+    parser.add_argument("--group", type=int, default=4, help="grpo: samples of the one prompt")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32"], help="bf16 is not native on this CPU"
+    )
+    parser.add_argument("--trl-python", default=sys.executable)
+    parser.add_argument("--out", default="benchmarks/results/memory.json")
+    parser.add_argument("--fresh", action="store_true", help="redo the cells already in --out")
+    parser.add_argument("--worker", choices=["alignlit", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--assets", help=argparse.SUPPRESS)
+    parser.add_argument("--no-fused-head", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.side = args.worker
+        worker(args)
+        return
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    variants = [v for v in args.variants.split(",") if v]
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    ablation = {int(x) for x in args.ablation_lengths.split(",") if x}
+    for given, known, what in ((workloads, WORKLOADS, "--workloads"), (variants, VARIANTS, "--variants")):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            parser.error(f"{what}: unknown {unknown}; choose from {list(known)}")
+    out = Path(args.out)
+    previous = json.loads(out.read_text()) if out.exists() and not args.fresh else {}
+    same_model = previous.get("model", {}).get("layers") == args.layers
+    cells = [c for c in previous.get("cells", []) if same_model and c.get("status") == "ok"]
+    done = {(c["workload"], c["length"], c["variant"]) for c in cells}
+    plan = [
+        (w, length, v)
+        for length in args.lengths
+        for w in workloads
+        for v in variants
+        if (w, length, v) not in done
+        and (v in ("alignlit", "trl") or length in ablation)
+        and not (v == "alignlit full logits" and w == "reward")  # a scalar head has no vocabulary
+    ]
+    payload = {
+        "benchmark": "memory",
+        "model": {**QWEN, "layers": args.layers, "dtype": args.dtype},
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("worker", "side", "workload", "length", "assets")
+        },
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "cells": cells,
+    }
+    print(f"{len(plan)} cells to run ({len(done)} already in {out})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if plan:
+            build_assets(root, args)
+        for workload, length, variant in plan:
+            side, flags = VARIANTS[variant]
+            python = args.trl_python if side == "trl" else sys.executable
+            cell = {"workload": workload, "length": length, "variant": variant,
+                    **run_cell(python, side, flags, workload, length, root, args)}  # fmt: skip
+            payload["cells"].append(cell)
+            status = (
+                f"peak {cell['peak_mb']:.0f} MB, step {cell['step_s']:.1f} s"
+                if cell["status"] == "ok"
+                else cell["error"]
+            )
+            print(f"  {workload} L={length} {variant}: {status}", flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(payload, indent=2) + "\n")
+    order = {(w, length, v): i for i, (w, length, v) in enumerate(
+        (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
+    payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))
+    markdown = table(payload["cells"], args)
+    print(markdown)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
