@@ -241,7 +241,7 @@ def table(records: list[dict]) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     lines = [
         "| stage | engine | k | trainer threads | samples/s (steady) | speed-up vs k = 0 | vs k = 0 on all threads | "
-        "overlap ceiling | samples/s (whole run) | trainer waits | rollout / train s per step | cores used | "
+        "overlap ceiling | samples/s (whole run) | trainer waits | generate / score / train s per step | cores used | "
         "gold (test) | KL to SFT | seeds | staleness of trained steps |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -257,7 +257,7 @@ def format_table(rows: list[dict]) -> str:
             + " | "
             + ("" if r["ceiling"] is None else f"{r['ceiling']:.2f}×")
             + f" | {r['samples_per_s_all']:.1f} | {100 * r['wait_share']:.0f}% | "
-            f"{phases['rollout_s']:.3f} / {phases['train_s']:.3f} | {r['cores_used']:.2f} | "
+            f"{phases['generate_s']:.3f} / {phases['score_s']:.3f} / {phases['train_s']:.3f} | {r['cores_used']:.2f} | "
             f"{pm(*r['gold'])} | {pm(*r['kl'], 2)} | {r['gold_seeds']} | "
             + ", ".join(f"{s}: {c}" for s, c in r["staleness_histogram"].items())
             + " |"
@@ -295,9 +295,9 @@ def plot(rows: list[dict], out: Path) -> None:
     axes[1].set(
         xlabel="max_staleness k", ylabel="gold reward (test prompts)", title="quality at equal samples"
     )
-    for ax in axes:
+    for ax, where in zip(axes, ["lower right", "best"]):
         ax.set_xticks(sorted({r["k"] for r in rows}))
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc=where)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
