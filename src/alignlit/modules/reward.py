@@ -39,6 +39,10 @@ class LengthHead:
     construction, it works with any backbone, and ``w`` is readable: the annotators' preference for length
     in logits per token (logged as ``train/length_weight``).
 
+    The decorrelation assumes quality is independent of length. Where it is not, the head removes real
+    signal: on the simulated task gold prefers shorter answers, and the head lowered accuracy against
+    gold from 0.724 to 0.544 (README, reward models; ``benchmarks/bench_reward_ablations.py``).
+
     Args:
         lr: learning rate of ``w`` (its own AdamW group, no weight decay; the schedule follows ``optim``).
             A single number moves about ``lr`` per step under Adam, so it needs a larger rate than the
