@@ -271,7 +271,7 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), width_ratios=[1.4, 1])
     for stage, engine in sorted({(r["stage"], r["engine"]) for r in rows}):
         mine = [r for r in rows if (r["stage"], r["engine"]) == (stage, engine) and r["threads"] == 1]
         (line,) = axes[0].plot([r["k"] for r in mine], [r["samples_per_s"] for r in mine], marker="o",
@@ -295,10 +295,11 @@ def plot(rows: list[dict], out: Path) -> None:
     axes[1].set(
         xlabel="max_staleness k", ylabel="gold reward (test prompts)", title="quality at equal samples"
     )
-    for ax, where in zip(axes, ["lower right", "best"]):
+    for ax in axes:
         ax.set_xticks(sorted({r["k"] for r in rows}))
-        ax.legend(fontsize=7, loc=where)
         ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the crowded axes
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
