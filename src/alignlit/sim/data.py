@@ -38,6 +38,19 @@ MANIFEST = "manifest.json"
 MAX_PAIR_ATTEMPTS = 100
 
 
+def two_demonstrations(task, prompt: str, rng: random.Random) -> tuple[str, str]:
+    """Two different demonstrations of ``prompt`` (the second redrawn up to ``MAX_PAIR_ATTEMPTS`` times)."""
+    y1 = task.demonstration(prompt, rng)
+    for _ in range(MAX_PAIR_ATTEMPTS):
+        y2 = task.demonstration(prompt, rng)
+        if y2 != y1:
+            return y1, y2
+    raise RuntimeError(
+        f"no second demonstration different from {y1!r} for {prompt!r} in {MAX_PAIR_ATTEMPTS} draws; "
+        f"demo_mix {task.demo_mix} is too concentrated to build pairs"
+    )
+
+
 def file_name(kind: str, split: str) -> str:
     """File name of one output, e.g. ``file_name("pairs_hh", "train") == "pairs_hh_train.jsonl"``."""
     return f"{kind}_{split}.jsonl"
@@ -97,16 +110,7 @@ def pair_records(
     chosen_gold, rejected_gold, chosen_words, rejected_words = [], [], [], []
     agree = ties = longer = unequal = 0
     for prompt in prompts:
-        y1 = task.demonstration(prompt, rng)
-        for _ in range(MAX_PAIR_ATTEMPTS):
-            y2 = task.demonstration(prompt, rng)
-            if y2 != y1:
-                break
-        else:
-            raise RuntimeError(
-                f"no second demonstration different from {y1!r} for {prompt!r} in {MAX_PAIR_ATTEMPTS} draws; "
-                f"demo_mix {task.demo_mix} is too concentrated to build pairs"
-            )
+        y1, y2 = two_demonstrations(task, prompt, rng)
         chosen, rejected = (y1, y2) if annotator.label(prompt, y1, y2, rng) else (y2, y1)
         labelled.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         g_chosen, g_rejected = task.gold_reward(prompt, chosen), task.gold_reward(prompt, rejected)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from alignlit.sim.annotator import Annotator
-from alignlit.sim.data import MAX_PAIR_ATTEMPTS, _mean, write_jsonl
+from alignlit.sim.data import _mean, two_demonstrations, write_jsonl
 from alignlit.sim.reward import load_sim
 from alignlit.sim.task import SimTask, num_words, split_of
 
@@ -112,14 +112,7 @@ def make_extra_pairs(
     annotator = annotator_of(manifest, task, seed)
     triples = []
     for prompt in prompts:
-        y1 = task.demonstration(prompt, rng)
-        for _ in range(MAX_PAIR_ATTEMPTS):
-            y2 = task.demonstration(prompt, rng)
-            if y2 != y1:
-                break
-        else:
-            raise RuntimeError(f"no second demonstration different from {y1!r} for {prompt!r}")
-        triples.append((prompt, y1, y2))
+        triples.append((prompt, *two_demonstrations(task, prompt, rng)))
     rows, stats = _label(task, annotator, triples, rng)
     out = Path(out) if out is not None else Path(sim_dir) / "pairs_extra_train.jsonl"
     return _write(out, rows, {**stats, "prompts_offset": used, "seed": seed, "source": "demonstrations"})
