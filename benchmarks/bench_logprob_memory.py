@@ -37,30 +37,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from alignlit.models.forward import token_logprobs
 from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
+from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
 
 
 def peak_bytes(fn) -> int:
     """Most bytes allocated at once (CPU allocator) while ``fn`` runs, above the level at its start."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    current = peak = 0
-    for _, size in sorted(events):
-        current += size
-        peak = max(peak, current)
-    return peak
+    return allocation_peak(prof)
 
 
 def seconds(fn, repeats: int) -> float:

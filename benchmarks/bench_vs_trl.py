@@ -504,6 +504,17 @@ def run_worker(python: str, side: str, workload: str, root: Path, args, check: b
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def alternating_runs(workload: str, root: Path, args) -> dict[str, list[dict]]:
+    """``--reps`` timed runs of each side, each in its own process, the order alternating per repetition."""
+    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+    for rep in range(args.reps):
+        for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
+            python = args.trl_python if side == "trl" else sys.executable
+            runs[side].append(run_worker(python, side, workload, root, args))
+            print(f"  {workload} rep {rep} {side}: {runs[side][-1]['seconds']:.2f} s", flush=True)
+    return runs
+
+
 def check_trl(python: str) -> str:
     proc = subprocess.run(
         [python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
@@ -626,12 +637,7 @@ def main() -> None:
                 print_online(online_results[-1:], args)
                 continue
             tokens = batch_tokens(workload, assets, args)
-            runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-            for rep in range(args.reps):
-                for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
-                    python = args.trl_python if side == "trl" else sys.executable
-                    runs[side].append(run_worker(python, side, workload, root, args))
-                    print(f"  {workload} rep {rep} {side}: {runs[side][-1]['seconds']:.2f} s", flush=True)
+            runs = alternating_runs(workload, root, args)
             pair = {side: summarise(workload, side, runs[side], tokens, assets, peak, args) for side in SIDES}
             diff = abs(pair["alignlit"]["first_loss"] - pair["trl"]["first_loss"])
             if diff > args.loss_tol:
@@ -683,12 +689,7 @@ def run_online(workload: str, root: Path, args, failures: list[str]) -> dict:
     for side in SIDES:
         python = args.trl_python if side == "trl" else sys.executable
         checks[side] = run_worker(python, side, workload, root, args, check=True)
-    runs: dict[str, list[dict]] = {side: [] for side in SIDES}
-    for rep in range(args.reps):
-        for side in SIDES if rep % 2 == 0 else SIDES[::-1]:
-            python = args.trl_python if side == "trl" else sys.executable
-            runs[side].append(run_worker(python, side, workload, root, args))
-            print(f"  {workload} rep {rep} {side}: {runs[side][-1]['seconds']:.2f} s", flush=True)
+    runs = alternating_runs(workload, root, args)
     result = summarise_online(workload, runs, checks, args)
     for name, diff in result.get("check_diffs", {}).items():
         if diff > args.loss_tol:

@@ -80,20 +80,9 @@ class MemoryWindow:
         self.started = time.perf_counter()
 
     def stop(self) -> None:
-        from torch._C._profiler import _EventType
-
         wall = time.perf_counter() - self.started
         self.profiler.stop()
-        events, stack = [], list(self.profiler.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-                events.append((node.start_time_ns, node.extra_fields.alloc_size))
-        current = peak = 0
-        for _, size in sorted(events):
-            current += size
-            peak = max(peak, current)
+        peak = allocation_peak(self.profiler)
         self.result = {
             "resident_mb": self.resident / 2**20,
             "transient_peak_mb": peak / 2**20,
@@ -101,6 +90,24 @@ class MemoryWindow:
             "step_s": wall,
         }
         self.profiler = None
+
+
+def allocation_peak(prof) -> int:
+    """Most bytes the CPU allocator held at once above its level at the start of a finished
+    ``torch.profiler.profile(profile_memory=True)`` run (its allocation events, in time order)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
 
 
 def live_tensor_bytes() -> int:
