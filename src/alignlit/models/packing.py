@@ -53,13 +53,34 @@ def prompt_lengths(attention_mask: torch.Tensor, scored_tokens: torch.Tensor) ->
     return first
 
 
-def _groups(sequences: list[torch.Tensor], prompts: list[int]) -> list[list[int]]:
-    """The rows whose first ``prompts[i]`` real tokens are equal, in order of first appearance."""
+@dataclass
+class _Grouping:
+    """The rows of a right-padded batch on the CPU, grouped by shared prompt (what :func:`pack` lays out
+    and :func:`packing_saving` counts)."""
+
+    mask: torch.Tensor  # (N, T) bool
+    lengths: list[int]  # real tokens per row
+    prompts: list[int]  # prompt tokens per row
+    sequences: list[torch.Tensor]  # each row's real tokens
+    members: list[
+        list[int]
+    ]  # rows whose first ``prompts[i]`` real tokens are equal, in order of first appearance
+    sizes: list[int]  # packed tokens per group: the shared prompt once, then each row's own tokens
+
+
+def _grouping(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor
+) -> _Grouping:
+    mask = attention_mask.cpu().bool()
+    lengths, prompts = mask.sum(-1).tolist(), prompt_lengths.cpu().tolist()
+    sequences = [row[m] for row, m in zip(input_ids.cpu(), mask)]
     groups: dict[bytes, list[int]] = {}
     for i, (seq, p) in enumerate(zip(sequences, prompts)):
         key = seq[:p].numpy().tobytes() + b"|" + str(p).encode() if p else f"row{i}".encode()
         groups.setdefault(key, []).append(i)
-    return list(groups.values())
+    members = list(groups.values())
+    sizes = [prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in members]
+    return _Grouping(mask, lengths, prompts, sequences, members, sizes)
 
 
 def packing_saving(
@@ -68,27 +89,21 @@ def packing_saving(
     """The share of the padded batch's ``N * T`` token positions that a packed forward does not run:
     ``1 - packed / (N * T)``, ``packed`` the real tokens with each shared prompt counted once
     (:func:`pack`'s sequence length). 0 for a batch without padding or shared prompts."""
-    mask_cpu = attention_mask.cpu().bool()
-    lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
-    sequences = [row[m] for row, m in zip(input_ids.cpu(), mask_cpu)]
-    packed = sum(prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in _groups(sequences, prompts))
     padded = input_ids.numel()
-    return 1.0 - packed / padded if padded else 0.0
+    return 1.0 - sum(_grouping(input_ids, attention_mask, prompt_lengths).sizes) / padded if padded else 0.0
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor) -> Packed:
     """Pack the real tokens of ``input_ids`` (N, T) into one sequence; rows whose first
     ``prompt_lengths`` real tokens are equal form a group that holds them once."""
     device = input_ids.device
-    ids_cpu, mask_cpu = input_ids.cpu(), attention_mask.cpu().bool()
-    lengths, prompts = mask_cpu.sum(-1).tolist(), prompt_lengths.cpu().tolist()
-    sequences = [row[m] for row, m in zip(ids_cpu, mask_cpu)]
-    members = _groups(sequences, prompts)
-    sizes = [prompts[g[0]] + sum(lengths[i] - prompts[i] for i in g) for g in members]
-    width = max(sizes, default=1)
+    grouping = _grouping(input_ids, attention_mask, prompt_lengths)
+    mask_cpu, lengths, prompts = grouping.mask, grouping.lengths, grouping.prompts
+    sequences, members = grouping.sequences, grouping.members
+    width = max(grouping.sizes, default=1)
     tokens: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
-    index = torch.full(ids_cpu.shape, -1, dtype=torch.long)  # (N, T)
+    index = torch.full(mask_cpu.shape, -1, dtype=torch.long)  # (N, T)
     group_index = torch.empty(len(members), width, dtype=torch.long)  # (G, W)
     in_groups = []
     group_mask = torch.eye(width, dtype=torch.bool).repeat(len(members), 1, 1)  # (G, W, W)
