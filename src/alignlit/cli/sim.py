@@ -19,7 +19,7 @@ from typing import Any
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.data import make_data
 from alignlit.sim.multiturn import HINTS, write_multiturn_sft
-from alignlit.sim.pairs import label_samples, make_extra_pairs
+from alignlit.sim.pairs import EXTRA_PAIRS, label_samples, make_extra_pairs
 from alignlit.sim.task import SimTask
 from alignlit.sim.tokenizer import write_tokenizer
 
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     more.add_argument("--sim", required=True, help="a make-data directory (task, annotator, prompts used)")
     more.add_argument("--n", type=int, required=True, help="pairs to write, one per new training prompt")
-    more.add_argument("--out", help="output file (default: SIM/pairs_extra_train.jsonl)")
+    more.add_argument("--out", help=f"output file (default: SIM/{EXTRA_PAIRS})")
     more.add_argument("--seed", type=int, default=_default(make_extra_pairs, "seed"))
 
     label = commands.add_parser(
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("make-pairs", "label-samples"):
         if args.command == "make-pairs":
             stats = make_extra_pairs(args.sim, args.n, out=args.out, seed=args.seed)
-            out = args.out or f"{args.sim}/pairs_extra_train.jsonl"
+            out = args.out or f"{args.sim}/{EXTRA_PAIRS}"
         else:
             stats = label_samples(
                 args.sim,

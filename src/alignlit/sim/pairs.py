@@ -27,6 +27,9 @@ from alignlit.sim.data import _mean, two_demonstrations, write_jsonl
 from alignlit.sim.reward import load_sim
 from alignlit.sim.task import SimTask, num_words, split_of
 
+EXTRA_PAIRS = "pairs_extra_train.jsonl"
+"""Where ``make-pairs`` writes under a ``make-data`` directory unless told otherwise."""
+
 
 def annotator_of(manifest: dict[str, Any], task: SimTask, seed: int) -> Annotator:
     """The annotator a ``make-data`` manifest records, with generator seed ``seed``."""
@@ -90,7 +93,7 @@ def make_extra_pairs(
         sim_dir: a ``make-data`` directory (its manifest gives the task, the annotator and the prompt
             counts already used).
         n: pairs to write, one per new prompt.
-        out: output file (default ``<sim_dir>/pairs_extra_train.jsonl``).
+        out: output file (default ``<sim_dir>/pairs_extra_train.jsonl``, :data:`EXTRA_PAIRS`).
         seed: seeds the demonstrations and the labels (another seed, other pairs on the same prompts).
 
     Returns:
@@ -110,11 +113,9 @@ def make_extra_pairs(
     prompts = task.prompts(used + n, "train")[used:]
     rng = random.Random(f"alignlit.sim.extra_pairs:{manifest['seed']}:{seed}")
     annotator = annotator_of(manifest, task, seed)
-    triples = []
-    for prompt in prompts:
-        triples.append((prompt, *two_demonstrations(task, prompt, rng)))
+    triples = [(prompt, *two_demonstrations(task, prompt, rng)) for prompt in prompts]
     rows, stats = _label(task, annotator, triples, rng)
-    out = Path(out) if out is not None else Path(sim_dir) / "pairs_extra_train.jsonl"
+    out = Path(out) if out is not None else Path(sim_dir) / EXTRA_PAIRS
     return _write(out, rows, {**stats, "prompts_offset": used, "seed": seed, "source": "demonstrations"})
 
 
