@@ -10,7 +10,8 @@
 - :class:`DivergenceMonitor`: stops a run whose loss, weights or gradients say it diverged, naming
   the step (a learning rate of 1e6 otherwise "trains" to garbage with exit status 0).
 
-Opt-in: :class:`CompileDecoder` (``torch.compile`` of the trained model's decoder).
+Opt-in: :class:`CompileDecoder` (``torch.compile`` of the trained model's decoder), :class:`ExportEvery`
+(the stage's result exported every ``n`` training batches, for evaluation along training).
 
 A callback of the same class given in the trainer's ``callbacks`` replaces the default one, so its
 thresholds can be set in YAML::
@@ -23,9 +24,11 @@ thresholds can be set in YAML::
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import sys
+import time
 import uuid
 from collections import deque
 from pathlib import Path
@@ -79,6 +82,51 @@ class CompileDecoder(Callback):
         if not callable(export_model):
             raise TypeError(f"CompileDecoder: {type(pl_module).__name__} has no export_model() to compile")
         compile_decoder(export_model(), **self.options)
+
+
+class ExportEvery(Callback):
+    """Export the stage's result (the policy of an online stage; what ``export_dir`` gets at the end) every
+    ``every_n_batches`` training batches — rollouts of an online stage, batches of an offline one — to
+    ``<dirpath>/batch_<n>`` (``n``: batches trained so far, counted across a resume), a Hugging Face
+    directory like the final export; ``<dirpath>/snapshots.jsonl`` gets a line per snapshot (``batch``,
+    ``global_step``, ``path``, ``fit_s``: seconds since this process started fitting). Evaluate the
+    snapshots offline (``alignlit eval``, ``alignlit.eval.gold.evaluate_policy``) to see a run's course,
+    e.g. gold and proxy reward against KL (over-optimisation)::
+
+        trainer:
+          callbacks:
+            - class_path: alignlit.callbacks.ExportEvery
+              init_args: {every_n_batches: 15, dirpath: out/quickstart/snapshots/ppo}
+    """
+
+    def __init__(self, every_n_batches: int, dirpath: str):
+        if every_n_batches < 1:
+            raise ValueError(f"ExportEvery: every_n_batches must be >= 1, got {every_n_batches}")
+        if not dirpath:
+            raise ValueError("ExportEvery: dirpath must name a folder")
+        self.every_n_batches = every_n_batches
+        self.dirpath = Path(dirpath)
+        self._start: float | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not callable(getattr(pl_module, "export_from_every_rank", None)):
+            raise TypeError(f"ExportEvery: {type(pl_module).__name__} is not an alignlit stage (no export)")
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        done = trainer.fit_loop.total_batch_idx + 1
+        if done % self.every_n_batches:
+            return
+        path = pl_module.export_from_every_rank(self.dirpath / f"batch_{done:05d}")
+        if path is not None:
+            record = {
+                "batch": done,
+                "global_step": trainer.global_step,
+                "path": str(path),
+                "fit_s": round(time.perf_counter() - (self._start or time.perf_counter()), 3),
+            }
+            with (self.dirpath / "snapshots.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 class CheckpointStageStamp(Callback):

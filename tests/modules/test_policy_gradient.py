@@ -719,3 +719,56 @@ def test_dynamic_sampling_refuses_several_processes(tiny_policy_dir):
     assert module.trainer.world_size == 2
     with pytest.raises(ValueError, match="dynamic_sampling keeps a different number of groups on each rank"):
         module.setup("fit")
+
+
+def _fit_one_epoch(module, data_dir, tmp_path, *, rollouts, callbacks=()):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=rollouts,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        default_root_dir=tmp_path,
+    )
+    dm = PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=2)
+    trainer.fit(module, dm)
+
+
+def test_export_every_writes_the_policy_of_each_point_of_the_run(tiny_policy_dir, data_dir, tmp_path):
+    """`ExportEvery(1)` over 3 rollouts (constant LR) writes batch_00001..3: the last is the final export,
+    the first equals the export of a run stopped after 1 rollout (same seed), and the index says which."""
+    from alignlit.callbacks import ExportEvery
+    from alignlit.models import load_policy
+
+    def weights(path):
+        return load_policy(path)[0].state_dict()
+
+    def run(rollouts, out, callbacks=()):
+        L.seed_everything(0)
+        module = make_module(tiny_policy_dir, optim=Optim(lr=1e-3, min_lr_ratio=1.0), export_dir=str(out))
+        _fit_one_epoch(
+            module, data_dir, tmp_path / f"root_{out.name}", rollouts=rollouts, callbacks=callbacks
+        )
+
+    snaps = tmp_path / "snaps"
+    run(3, tmp_path / "long", [ExportEvery(every_n_batches=1, dirpath=str(snaps))])
+    run(1, tmp_path / "short")
+    index = [json.loads(line) for line in (snaps / "snapshots.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in index] == [1, 2, 3]
+    assert [Path(r["path"]).name for r in index] == ["batch_00001", "batch_00002", "batch_00003"]
+    assert all(r["fit_s"] > 0 for r in index)
+    final, last, first, short = (
+        weights(p)
+        for p in (tmp_path / "long", snaps / "batch_00003", snaps / "batch_00001", tmp_path / "short")
+    )
+    for name, value in final.items():
+        assert torch.equal(last[name], value), name
+        assert torch.equal(first[name], short[name]), name
+    assert any(not torch.equal(first[n], final[n]) for n in final)  # the run moved after the first snapshot
+    with pytest.raises(ValueError, match="every_n_batches must be >= 1"):
+        ExportEvery(every_n_batches=0, dirpath=str(snaps))

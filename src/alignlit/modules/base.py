@@ -337,19 +337,25 @@ class AlignModule(L.LightningModule):
 
         return default_callbacks(self._trainer)
 
-    def on_fit_end(self) -> None:
-        if not self.export_dir:
-            return
+    def export_from_every_rank(self, out_dir: str | Path) -> Path | None:
+        """:meth:`export` called on every rank: a sharded model's full state is gathered on every rank and
+        written by rank 0 (its path returned; None on the other ranks), then the ranks wait for it."""
         state = None
-        if self.device_mesh is not None:  # sharded: gather on every rank, write on rank 0
+        if self.device_mesh is not None:
             from alignlit.strategies import full_state_dict
 
             model = self.export_model()
             state = full_state_dict(getattr(model, "hf_model", model))  # the names save_pretrained writes
-        if self.global_rank == 0:
-            path = self.export(self.export_dir, state_dict=state)
-            print(f"alignlit: exported {self.stage} result to {path}")
+        path = self.export(out_dir, state_dict=state) if self.global_rank == 0 else None
         self.trainer.strategy.barrier("alignlit-export")
+        return path
+
+    def on_fit_end(self) -> None:
+        if not self.export_dir:
+            return
+        path = self.export_from_every_rank(self.export_dir)
+        if path is not None:
+            print(f"alignlit: exported {self.stage} result to {path}")
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
