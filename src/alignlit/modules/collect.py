@@ -30,8 +30,7 @@ from alignlit.ops import (
     overlong_penalty,
     truncated_is_weights,
 )
-from alignlit.rollout.base import Rollout, select_groups
-from alignlit.rollout.loop import Experience
+from alignlit.rollout.base import Experience, Rollout, select_groups
 
 
 def sample_metrics(rollout: Rollout, scores: torch.Tensor) -> dict[str, float]:

@@ -5,7 +5,7 @@ multi-turn episodes (token in / token out) and the Gymnasium adapter.
 ``VLLMEngine`` imports vLLM only when built, so this package imports without the vllm extra.
 """
 
-from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
+from alignlit.rollout.base import Experience, Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.environment import (
     ChatTemplateToolParser,
     Environment,
@@ -18,8 +18,8 @@ from alignlit.rollout.environment import (
 )
 from alignlit.rollout.episodes import EpisodeReturn, EpisodeStats, run_episodes
 from alignlit.rollout.gym import GymEnvironment
-from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.loop import Experience, RolloutLoop
+from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
+from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.parity import ParityError, check_parity, logprob_parity
 from alignlit.rollout.prompt_filter import PromptFilter, reward_variance
 from alignlit.rollout.reward import (
@@ -43,6 +43,7 @@ __all__ = [
     "Experience",
     "GymEnvironment",
     "HFEngine",
+    "HFEngineOptions",
     "JSONToolParser",
     "ParityError",
     "PreferenceRanking",

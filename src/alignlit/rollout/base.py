@@ -81,6 +81,29 @@ class Rollout:
         return self.response_mask.sum(-1)
 
 
+@dataclass
+class Experience:
+    """A scored rollout: what the rollout side hands to the online base.
+
+    Attributes:
+        rollout: ``N = B * n`` samples (prompt ``i`` repeated ``n`` times consecutively), see
+            :class:`~alignlit.rollout.base.Rollout`.
+        rewards: (N,) float32, the reward function's score of each sample.
+        versions: (N,) long, the policy version that generated each sample.
+    """
+
+    rollout: Rollout
+    rewards: torch.Tensor
+    versions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            self.versions = torch.zeros(len(self.rollout), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses from the current policy.

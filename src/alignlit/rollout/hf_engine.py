@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -48,6 +49,34 @@ class _StopStringCriteria(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+@dataclass(frozen=True)
+class HFEngineOptions:
+    """How :class:`HFEngine` runs ``generate`` (a stage's ``rollout.hf``; see the engine's arguments of the same
+    names). The samples' distribution and log-probs are the same with any of them; only speed changes.
+
+    Attributes:
+        kv_cache: ``"dynamic"`` (the default) or ``"static"``.
+        compile: ``torch.compile`` the decoding step (needs the static cache).
+        share_prompt: compute each prompt's KV cache once for its ``n`` samples (not with ``compile``).
+    """
+
+    kv_cache: Literal["dynamic", "static"] = "dynamic"
+    compile: bool = False
+    share_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in ("dynamic", "static"):
+            raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {self.kv_cache!r}")
+        if self.compile and self.kv_cache != "static":
+            raise ValueError(
+                "compile=True compiles the decoding step over a static KV cache: set kv_cache='static'"
+            )
+        if self.share_prompt and self.compile:
+            raise ValueError(
+                "share_prompt=True hands generate a prefilled cache, which the compiled step does not take"
+            )
+
+
 class HFEngine:
     """Samples with ``model.generate`` from the policy being trained (no copy of the weights).
 
@@ -91,16 +120,7 @@ class HFEngine:
         require_pad_token(tokenizer)
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
-        if kv_cache not in ("dynamic", "static"):
-            raise ValueError(f"kv_cache must be 'dynamic' or 'static', got {kv_cache!r}")
-        if compile and kv_cache != "static":
-            raise ValueError(
-                "compile=True compiles the decoding step over a static KV cache: set kv_cache='static'"
-            )
-        if share_prompt and compile:
-            raise ValueError(
-                "share_prompt=True hands generate a prefilled cache, which the compiled step does not take"
-            )
+        HFEngineOptions(kv_cache, compile, share_prompt)  # checks the combination
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
         self.kv_cache, self.compile, self.share_prompt = kv_cache, compile, share_prompt

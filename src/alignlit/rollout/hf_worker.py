@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from alignlit.rollout.base import Rollout, SamplingParams
+from alignlit.rollout.hf_engine import HFEngineOptions
 
 REPLY_POLL_S = 1.0
 
@@ -59,7 +60,7 @@ class WeightSyncError(RuntimeError):
     """The engine's weights are not the version the trainer sent."""
 
 
-def _serve(config, dtype, tokenizer, micro_batch_size, threads, requests, replies, parent) -> None:
+def _serve(config, dtype, tokenizer, micro_batch_size, options, threads, requests, replies, parent) -> None:
     """The worker's loop: ``("load", version, state)`` and ``("generate", prompts, n, sampling)`` requests,
     one reply each; it exits on None or when its parent is gone."""
     torch.set_num_threads(threads)
@@ -68,7 +69,7 @@ def _serve(config, dtype, tokenizer, micro_batch_size, threads, requests, replie
     from alignlit.rollout.hf_engine import HFEngine
 
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    engine = HFEngine(tokenizer, model, micro_batch_size=micro_batch_size)
+    engine = HFEngine(tokenizer, model, micro_batch_size=micro_batch_size, **vars(options))
     while True:
         try:
             request = requests.get(timeout=REPLY_POLL_S)
@@ -83,6 +84,8 @@ def _serve(config, dtype, tokenizer, micro_batch_size, threads, requests, replie
                 _, version, state = request
                 model.load_state_dict(state, strict=True)
                 replies.put(("loaded", version, state_checksum(model.state_dict())))
+            elif request[0] == "options":
+                replies.put(("options", engine.kv_cache, engine.compile, engine.share_prompt))
             elif request[0] == "generate_from_ids":
                 _, prompt_ids, n, sampling = request
                 replies.put(("rollout", engine.generate_from_ids(prompt_ids, n, sampling)))
@@ -117,6 +120,7 @@ class HFWorkerEngine:
             with :meth:`load_weights`).
         tokenizer: the policy's tokenizer.
         micro_batch_size: most prompts per ``generate`` call in the worker (None: all at once).
+        options: how the worker's :class:`~alignlit.rollout.HFEngine` runs ``generate`` (None: its defaults).
         threads: torch threads of the worker (the trainer keeps its own).
         timeout_s: longest wait for one reply before the worker counts as hung.
     """
@@ -127,6 +131,7 @@ class HFWorkerEngine:
         tokenizer,
         *,
         micro_batch_size: int | None = None,
+        options: HFEngineOptions | None = None,
         threads: int = 1,
         timeout_s: float = 1800.0,
     ):
@@ -136,6 +141,7 @@ class HFWorkerEngine:
         self.requests, self.replies = context.Queue(), context.Queue()
         self.timeout_s = timeout_s
         self.version: int | None = None
+        self.options = options if options is not None else HFEngineOptions()
         self.process = context.Process(
             target=_serve,
             args=(
@@ -143,6 +149,7 @@ class HFWorkerEngine:
                 dtype,
                 tokenizer,
                 micro_batch_size,
+                self.options,
                 threads,
                 self.requests,
                 self.replies,
@@ -188,6 +195,11 @@ class HFWorkerEngine:
                 f"{version} (checksum {expected!r}): its rollouts would come from other weights"
             )
         self.version = version
+
+    def engine_options(self) -> HFEngineOptions:
+        """The options of the engine the worker process built (asked of the worker, not this object's copy)."""
+        self.requests.put(("options",))
+        return HFEngineOptions(*self._reply("reading the engine's options")[1:])
 
     def sync(self, policy: torch.nn.Module) -> None:
         raise TypeError("HFWorkerEngine takes weights by version: load_weights(version, state)")

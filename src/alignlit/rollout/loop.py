@@ -18,42 +18,18 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from alignlit.rollout.base import Rollout, RolloutEngine, SamplingParams
+from alignlit.rollout.base import Experience, Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.environment import Environment
 from alignlit.rollout.episodes import EpisodeReturn, run_episodes
-from alignlit.rollout.hf_engine import HFEngine
+from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.parity import check_parity
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
 from alignlit.rollout.reward import Reward, score_rollout
-
-
-@dataclass
-class Experience:
-    """A scored rollout: what the rollout side hands to the online base.
-
-    Attributes:
-        rollout: ``N = B * n`` samples (prompt ``i`` repeated ``n`` times consecutively), see
-            :class:`~alignlit.rollout.base.Rollout`.
-        rewards: (N,) float32, the reward function's score of each sample.
-        versions: (N,) long, the policy version that generated each sample.
-    """
-
-    rollout: Rollout
-    rewards: torch.Tensor
-    versions: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.versions is None:
-            self.versions = torch.zeros(len(self.rollout), dtype=torch.long)
-
-    def __len__(self) -> int:
-        return len(self.rollout)
 
 
 class RolloutLoop:
@@ -100,6 +76,9 @@ class RolloutLoop:
         max_episode_tokens: most response-side tokens, the model's and the environment's, per episode
             (with ``environment``; default ``max_turns * sampling.max_new_tokens``).
         endpoints: the served engines' ``http://host:port`` (``engine: vllm_server``).
+        hf: how the HF engine runs ``generate`` (``engine: hf`` only; the trainer's engine, the asynchronous
+            worker's and those sampling from a frozen model): :class:`~alignlit.rollout.HFEngineOptions`, e.g.
+            ``{kv_cache: static, share_prompt: true}`` (None: the defaults, a dynamic cache).
     """
 
     def __init__(
@@ -119,6 +98,7 @@ class RolloutLoop:
         max_turns: int = 2,
         max_episode_tokens: int | None = None,
         endpoints: list[str] | None = None,
+        hf: HFEngineOptions | None = None,
     ):
         sampling = sampling if sampling is not None else SamplingParams()
         if engine not in ("hf", "vllm", "vllm_server"):
@@ -129,6 +109,12 @@ class RolloutLoop:
                 f"them; got engine {engine!r} and endpoints {endpoints!r}"
             )
         self.endpoints = list(endpoints or [])
+        if hf is not None and engine != "hf":
+            raise ValueError(
+                f"rollout.hf (kv_cache {hf.kv_cache!r}, compile {hf.compile}, share_prompt {hf.share_prompt}) sets "
+                f"options of the HF engine, but rollout.engine is {engine!r}: remove rollout.hf or use engine 'hf'"
+            )
+        self.hf = hf if hf is not None else HFEngineOptions()
         if sampling.seed is not None:
             raise ValueError(
                 f"rollout sampling.seed must be None (got {sampling.seed}): rollout i is sampled with "
@@ -215,7 +201,7 @@ class RolloutLoop:
         if self.engine is not None:
             return
         if self.engine_kind == "hf":
-            self.engine = HFEngine(tokenizer, policy, micro_batch_size=self.generation_batch_size)
+            self.engine = self._hf_engine(policy)
             return
         if self.engine_kind == "vllm_server":
             from alignlit.rollout.server import ServedVLLMEngine
@@ -260,11 +246,9 @@ class RolloutLoop:
             from alignlit.rollout.hf_worker import HFWorkerEngine
 
             worker = HFWorkerEngine(
-                policy,
-                self.tokenizer,
-                micro_batch_size=self.generation_batch_size,
-                threads=self.worker_threads,
-            )
+                policy, self.tokenizer, micro_batch_size=self.generation_batch_size, threads=self.worker_threads,
+                options=self.hf,
+            )  # fmt: skip
             self.async_engine = worker
             self.pipeline = RolloutPipeline(
                 lambda snap: worker.load_weights(snap.version, snap.state), produce
@@ -329,6 +313,10 @@ class RolloutLoop:
             self.async_engine.close()
         self.async_engine = None
 
+    def _hf_engine(self, model: torch.nn.Module) -> HFEngine:
+        """An HF engine on ``model`` with this loop's chunk size and ``hf`` options."""
+        return HFEngine(self.tokenizer, model, micro_batch_size=self.generation_batch_size, **vars(self.hf))
+
     def _require_setup(self) -> tuple[RolloutEngine, torch.nn.Module]:
         if self.engine is None or self.policy is None:
             raise RuntimeError("RolloutLoop.setup(policy, tokenizer) must be called before generating")
@@ -360,8 +348,7 @@ class RolloutLoop:
         if engine is None and model is not None:
             engine = self._frozen_engines.get(id(model))
             if engine is None:
-                engine = HFEngine(self.tokenizer, model, micro_batch_size=self.generation_batch_size)
-                self._frozen_engines[id(model)] = engine
+                engine = self._frozen_engines[id(model)] = self._hf_engine(model)
         engine = engine if engine is not None else default
         if not managed and self.pipeline is not None and self.async_engine is default:
             with self.pipeline.exclusive():  # the producer's engine: wait for it, then load the policy
