@@ -261,9 +261,9 @@ def slug(setting: dict) -> str:
 
 
 def config_key(key: str) -> str:
-    """Where a setting's key lives in the config: ``trainer.*`` as it is (e.g. the number of rollouts,
-    ``trainer.limit_train_batches``), anything else under ``model.init_args``."""
-    return key if key.startswith("trainer.") else f"model.init_args.{key}"
+    """Where a setting's key lives in the config: ``trainer.*`` and ``data.*`` as they are (e.g. the number
+    of rollouts, ``trainer.limit_train_batches``), anything else under ``model.init_args``."""
+    return key if key.startswith(("trainer.", "data.")) else f"model.init_args.{key}"
 
 
 def setting_overrides(setting: dict) -> list[str]:

@@ -204,3 +204,30 @@ def test_the_benchmark_selects_on_val_and_trains_without_test_files(bench, name,
     cells = bench_quality.plan([method], bench.configs, seeds=[0, 1, 2], grid_limit=None)["cells"]
     assert {c.split for c in cells if c.what == "eval" and c.setting != {"chosen": "on-val"}} == {"val"}
     assert {c.split for c in cells if c.what == "eval" and c.setting == {"chosen": "on-val"}} == {"test"}
+
+
+def test_the_claims_benchmark_trains_without_test_files(sim, tmp_path):
+    """Every arm of ``bench_claims.py`` starts a run whose command line names no test file; the gold
+    reward is a training reward only in the oracle-labeller arm (``online-dpo-gold``; ``dpo-gold``
+    trains on the gold-ranked samples of training prompts), and the prompt filter's ε comes from the
+    shared samples of training prompts."""
+    import bench_claims
+
+    args = bench_claims.build_parser().parse_args(
+        ["--configs", str(CONFIG_DIR / "quickstart"), "--work", str(tmp_path / "w")]
+    )
+    args.suite, args.grid_limit, args.max_val_kl = "quality", None, None
+    bench = bench_claims.ClaimsBench(args)
+    bench.root = sim
+    names = set()
+    for arms in bench_claims.arms(args).values():
+        for arm in arms:
+            names.add(arm.name)
+            argv = bench.fit_args(
+                f"{arm.config}.yaml", 0, bench_claims.resolve_setting(arm.setting, bench, 0.1)
+            )
+            assert not [a for a in argv if names_test_data(a)], (arm.name, argv)
+            assert any(GOLD in a for a in argv) == (arm.name == "online-dpo-gold"), (arm.name, argv)
+            if arm.name == "dpo-gold":
+                assert "--data.init_args.train_file=out/quickstart/samples-gold/pairs.jsonl" in argv
+    assert {"ppo-max-long", "ppo-vanilla-long", "grpo-long", "dpo-rm", "online-dpo-rm", "rrhf"} <= names
