@@ -1,6 +1,6 @@
 """The source papers' claims, tested on the simulated task (README "The seeds' claims, tested").
 
-Every arm is one ``alignlit fit`` of a shipped quickstart config with the overrides in ``ARMS``, from the
+Every arm is one ``alignlit fit`` of a shipped quickstart config with the overrides in ``arms()``, from the
 shared stages of ``bench_quality.py`` (data, SFT, the reward model, 4 ranked SFT samples per training
 prompt) plus two of its own: the same samples ranked by the gold reward (``samples-gold``: the offline
 pairs of an oracle labeller) and a reward model trained without length balancing (``reward-unbalanced``).
