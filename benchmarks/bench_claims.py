@@ -142,20 +142,6 @@ class ClaimsBench(bq.Bench):
         """The oracle-ranked samples and the unbalanced reward model (after :meth:`shared`)."""
         done_file = self.work / "shared_extra.json"
         times = bq.read_json(done_file)
-        sft_samples = [
-            "sample",
-            "--policy",
-            f"{self.prefix}/sft",
-            "--prompts",
-            "data/sim/prompts_train.jsonl",
-            "--n",
-            "4",
-            "--batch-size",
-            "128",
-            "--no-progress",
-            "--max-prompts",
-            str(self.args.sample_prompts),
-        ]
         reward = [
             *self.fit_args("reward.yaml", 0),
             "--data.init_args.length_balance=false",
@@ -164,17 +150,7 @@ class ClaimsBench(bq.Bench):
         steps = [
             (
                 "samples-gold",
-                [
-                    *sft_samples,
-                    "--scorer",
-                    "gold",
-                    "--sim",
-                    "data/sim",
-                    "--out",
-                    f"{self.prefix}/samples-gold/ranked.jsonl",
-                    "--pairs",
-                    f"{self.prefix}/samples-gold/pairs.jsonl",
-                ],
+                self.sample_args("samples-gold", "gold", sim=True),
                 self.extra / "samples-gold" / "pairs.jsonl",
             ),
             ("reward-unbalanced", reward, self.extra / "reward-unbalanced" / "alignlit.json"),

@@ -419,27 +419,7 @@ class Bench:
             ("reward", self.fit_args("reward.yaml", 0), out / "reward" / "alignlit.json"),
             (
                 "samples",
-                [
-                    "sample",
-                    "--policy",
-                    f"{self.prefix}/sft",
-                    "--prompts",
-                    "data/sim/prompts_train.jsonl",
-                    "--n",
-                    "4",
-                    "--scorer",
-                    f"{self.prefix}/reward",
-                    "--out",
-                    f"{self.prefix}/samples/ranked.jsonl",
-                    "--pairs",
-                    f"{self.prefix}/samples/pairs.jsonl",
-                    "--rft",
-                    f"{self.prefix}/samples/rft.jsonl",
-                    "--batch-size",
-                    "128",
-                    "--no-progress",
-                    *(["--max-prompts", str(self.args.sample_prompts)] if self.args.sample_prompts else []),
-                ],
+                self.sample_args("samples", f"{self.prefix}/reward", rft=True),
                 out / "samples" / "rft.jsonl",
             ),
         ]
@@ -458,6 +438,18 @@ class Bench:
             print(f"bench_quality: shared stage {name}: {times[name]:.0f} s", flush=True)
         self.shared_stamp = times["stamp"]
         return times
+
+    def sample_args(self, name: str, scorer: str, *, rft: bool = False, sim: bool = False) -> list[str]:
+        """``alignlit sample`` of 4 SFT samples per training prompt (seed 0), ranked by ``scorer``, into
+        ``<prefix>/<name>/{ranked,pairs[,rft]}.jsonl`` (``sim``: the ``--sim`` a gold scorer needs)."""
+        out = f"{self.prefix}/{name}"
+        return [
+            "sample", "--policy", f"{self.prefix}/sft", "--prompts", "data/sim/prompts_train.jsonl", "--n", "4",
+            "--scorer", scorer, *(["--sim", "data/sim"] if sim else []),
+            "--out", f"{out}/ranked.jsonl", "--pairs", f"{out}/pairs.jsonl", *(["--rft", f"{out}/rft.jsonl"] if rft else []),
+            "--batch-size", "128", "--no-progress",
+            *(["--max-prompts", str(self.args.sample_prompts)] if self.args.sample_prompts else []),
+        ]  # fmt: skip
 
     def fit_args(self, config_name: str, seed: int, setting: dict | None = None) -> list[str]:
         path = self.configs / config_name

@@ -364,8 +364,10 @@ def fit(
     ckpt_path=None,
     checkpoint_every=None,
     val_batches=0,
+    epochs=2,
+    callbacks=(),
 ):
-    callbacks = []
+    callbacks = list(callbacks)
     if checkpoint_every:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -377,8 +379,8 @@ def fit(
         )
     trainer = L.Trainer(
         accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=rollouts // 2,
+        max_epochs=epochs,
+        limit_train_batches=rollouts // epochs,
         limit_val_batches=val_batches,
         val_check_interval=1.0,
         num_sanity_val_steps=0,
@@ -721,24 +723,6 @@ def test_dynamic_sampling_refuses_several_processes(tiny_policy_dir):
         module.setup("fit")
 
 
-def _fit_one_epoch(module, data_dir, tmp_path, *, rollouts, callbacks=()):
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=rollouts,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-        default_root_dir=tmp_path,
-    )
-    dm = PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=2)
-    trainer.fit(module, dm)
-
-
 def test_export_every_writes_the_policy_of_each_point_of_the_run(tiny_policy_dir, data_dir, tmp_path):
     """`ExportEvery(1)` over 3 rollouts (constant LR) writes batch_00001..3: the last is the final export,
     the first equals the export of a run stopped after 1 rollout (same seed), and the index says which."""
@@ -751,9 +735,8 @@ def test_export_every_writes_the_policy_of_each_point_of_the_run(tiny_policy_dir
     def run(rollouts, out, callbacks=()):
         L.seed_everything(0)
         module = make_module(tiny_policy_dir, optim=Optim(lr=1e-3, min_lr_ratio=1.0), export_dir=str(out))
-        _fit_one_epoch(
-            module, data_dir, tmp_path / f"root_{out.name}", rollouts=rollouts, callbacks=callbacks
-        )
+        root = tmp_path / f"root_{out.name}"
+        fit(module, data_dir, root, rollouts=rollouts, batch_size=2, epochs=1, callbacks=callbacks)
 
     snaps = tmp_path / "snaps"
     run(3, tmp_path / "long", [ExportEvery(every_n_batches=1, dirpath=str(snaps))])
