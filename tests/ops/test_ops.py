@@ -28,7 +28,7 @@ from alignlit.ops import (
     sequence_logprobs,
     whiten,
 )
-from alignlit.ops.logprobs import linear_logprobs
+from alignlit.ops.logprobs import _tiling, linear_logprobs
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -305,6 +305,60 @@ def test_linear_logprobs_matches_the_full_logits_values_and_gradients(dtype, opt
     for a, b in zip(ours_grads, reference_grads):
         scale = float(b.abs().max())
         torch.testing.assert_close(a / scale, b / scale, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_linear_logprobs_in_tiles_matches_a_float64_reference(dtype):
+    """V = 1000 in tiles of 128 (the last one 104 wide) and 23 rows in chunks of 7: log-probs, entropies
+    and gradients (hidden, weight, bias, through both outputs) equal those of the full float64 logits,
+    labels in the first, a middle and the last tile; to 1e-10 in float64 and 1e-5 in float32."""
+    generator = torch.Generator().manual_seed(7)
+    hidden = 0.3 * torch.randn(23, 8, generator=generator, dtype=torch.float64)
+    weight = torch.randn(1000, 8, generator=generator, dtype=torch.float64)
+    bias = torch.randn(1000, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 1000, (23,), generator=generator)
+    labels[:4] = torch.tensor([0, 127, 128, 999])
+    u, v = torch.randn(2, 23, generator=generator, dtype=torch.float64)
+    options = {"temperature": 0.8, "logit_scale": 1.7, "softcap": 4.0}
+
+    def reference(h, w, b):
+        z = 4.0 * torch.tanh(1.7 * (h @ w.t() + b) / 4.0) / 0.8
+        logp = torch.log_softmax(z, -1)
+        return logp.gather(-1, labels[:, None]).squeeze(-1), -(torch.softmax(z, -1) * logp).sum(-1)
+
+    inputs = [x.to(dtype).requires_grad_() for x in (hidden, weight, bias)]
+    ours = linear_logprobs(
+        inputs[0], inputs[1], labels, bias=inputs[2], with_entropy=True, chunk_rows=7, tile=128, **options
+    )
+    exact = [x.detach().to(torch.float64).requires_grad_() for x in inputs]
+    expected = reference(*exact)
+    ours_grads = torch.autograd.grad((ours[0] * u.to(dtype) + ours[1] * v.to(dtype)).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected[0] * u + expected[1] * v).sum(), exact)
+    atol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert ours[0].dtype == dtype
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a.double(), b, atol=atol, rtol=0)
+    for a, b in zip(ours_grads, expected_grads):
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a.double() / scale, b / scale, atol=atol, rtol=0)
+
+    def tiled(h, w):  # 7 entries in tiles of 3, 3 and 1
+        return linear_logprobs(h, w, labels[:6] % 7, with_entropy=True, chunk_rows=4, tile=3)
+
+    small = (hidden[:6].clone().requires_grad_(), weight[:7].clone().requires_grad_())
+    assert torch.autograd.gradcheck(tiled, small)
+
+
+def test_linear_logprobs_default_tiles_bound_the_memory():
+    """A large vocabulary: 1024-row chunks x 2048-entry tiles (2**21 logits); a small one is one tile of
+    2**21 // V rows, as before tiling; few rows widen the tile; given rows or tile set the other."""
+    assert _tiling(6144, 151_936, None, None) == (1024, 2048)
+    assert _tiling(6144, 512, None, None) == (4096, 512)
+    assert _tiling(100, 151_936, None, None) == (1024, 20_971)
+    assert _tiling(6144, 151_936, 32, None) == (32, 65_536)
+    assert _tiling(6144, 151_936, None, 32_768) == (64, 32_768)
+    with pytest.raises(ValueError, match="tile must be >= 1"):
+        _tiling(4, 10, None, 0)
 
 
 def test_linear_logprobs_gradcheck_and_no_weight_grad():

@@ -3,10 +3,11 @@
 - :func:`gather_logprobs` / :func:`entropy_from_logits`: from logits ``(..., V)`` that already exist,
   in float32 (float64 for float64 logits) on chunks of rows, so peak extra memory is one chunk, not
   a float32 copy of all logits.
-- :func:`linear_logprobs`: from the final hidden states and the LM head, fused: the logits of a chunk
-  of rows are computed, reduced to log-probs (and entropies) and dropped, and recomputed in the
-  backward pass, so no ``(N, V)`` tensor ever exists (the chunked linear cross-entropy of Liger
-  Kernel, Hsu et al. 2024, §3.2, on any device).
+- :func:`linear_logprobs`: from the final hidden states and the LM head, fused: the logits of a tile
+  of rows x vocabulary entries are computed, reduced to log-probs (and entropies) with an online
+  log-sum-exp and dropped, and recomputed in the backward pass, so no ``(N, V)`` tensor ever exists
+  (the chunked linear cross-entropy of Liger Kernel, Hsu et al. 2024, §3.2, tiled over the vocabulary
+  too, on any device).
 """
 
 from __future__ import annotations
@@ -147,10 +148,14 @@ def sequence_logprobs(
 
 
 LINEAR_CHUNK_ELEMENTS = 1 << 21
-"""Upper bound on ``rows * V`` of one chunk of :func:`linear_logprobs` (8 MiB of float32 logits)."""
+"""Upper bound on ``rows * tile`` of one tile of :func:`linear_logprobs` (8 MiB of float32 logits)."""
+
+LINEAR_CHUNK_ROWS = 1024
+"""Default rows per chunk of :func:`linear_logprobs` when the vocabulary does not fit one tile: the head
+is read once per chunk in each pass, so at a large vocabulary many rows share each read."""
 
 LINEAR_MIN_ROWS = 32
-"""Fewest rows per chunk of :func:`linear_logprobs` (a matmul on fewer rows is inefficient)."""
+"""Fewest rows per chunk of :func:`linear_logprobs` by default (a matmul on fewer rows is inefficient)."""
 
 
 def _head_logits(
@@ -167,7 +172,7 @@ def _head_logits(
 
     The projection runs in the weights' dtype, like the model's own LM head; the rest in ``dtype``.
     """
-    logits = F.linear(hidden, weight, bias).to(dtype)  # (r, V)
+    logits = F.linear(hidden, weight, bias).to(dtype)  # (r, t)
     if scale != 1.0:
         logits = logits * scale
     tanh = None
@@ -179,33 +184,56 @@ def _head_logits(
     return logits, tanh
 
 
-class _LinearLogprobs(torch.autograd.Function):
-    """``log_softmax(z)[label]`` and ``H(softmax(z))`` of ``z = head(h)``, chunked over rows.
+def _tiles(vocab: int, tile: int) -> list[tuple[int, int]]:
+    return [(v, min(v + tile, vocab)) for v in range(0, vocab, tile)]
 
-    Saves the inputs (the hidden rows, the head, the labels) and the ``(M,)`` log-normalisers and
-    entropies; the backward pass recomputes each chunk's logits. With ``p = softmax(z)``:
+
+class _LinearLogprobs(torch.autograd.Function):
+    """``log_softmax(z)[label]`` and ``H(softmax(z))`` of ``z = head(h)``, in tiles of rows x vocabulary.
+
+    Forward, per chunk of rows: each vocabulary tile's log-normaliser ``lse_t`` and entropy ``H_t``
+    are merged into running ones (``lse = logaddexp(lse_a, lse_b)``; with the tiles' shares
+    ``w = exp(lse_t - lse)``, ``H = Σ w_t·H_t - Σ w_t·log w_t``), and the label's logit is read from
+    its tile. Saves the inputs (hidden rows, head, labels) and the ``(M,)`` log-normalisers and
+    entropies; the backward pass recomputes each tile's logits. With ``p = softmax(z)``:
     ``∂ log p_y / ∂z = onehot(y) - p`` and ``∂H/∂z = -p ⊙ (log p + H)``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, scale, softcap, temperature, with_entropy, rows):
+    def forward(ctx, hidden, weight, bias, labels, scale, softcap, temperature, with_entropy, rows, tile):
         dtype = torch.promote_types(weight.dtype, torch.float32)
         m = hidden.shape[0]
         logsumexp = torch.empty(m, dtype=dtype, device=hidden.device)
         logprobs = torch.empty(m, dtype=dtype, device=hidden.device)
         entropy = torch.empty(m, dtype=dtype, device=hidden.device) if with_entropy else None
+        tiles = _tiles(weight.shape[0], tile)
         for a in range(0, m, rows):
-            z, _ = _head_logits(
-                hidden[a : a + rows], weight, bias, dtype=dtype, scale=scale, softcap=softcap,
-                temperature=temperature,
-            )  # fmt: skip
-            lse = torch.logsumexp(z, dim=-1)  # (r,)
+            h, y = hidden[a : a + rows], labels[a : a + rows]
+            lse = ent = picked = None
+            for v, w in tiles:
+                z, _ = _head_logits(
+                    h, weight[v:w], None if bias is None else bias[v:w], dtype=dtype, scale=scale,
+                    softcap=softcap, temperature=temperature,
+                )  # fmt: skip
+                lse_t = torch.logsumexp(z, dim=-1)  # (r,)
+                ent_t = lse_t - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+                inside = (y >= v) & (y < w)  # (r,) the label's logit is in this tile
+                z_y = z.gather(-1, (y - v).clamp(0, w - v - 1)[:, None]).squeeze(-1)
+                if lse is None:
+                    lse, ent, picked = lse_t, ent_t, z_y
+                    continue
+                picked = torch.where(inside, z_y, picked)
+                merged = torch.logaddexp(lse, lse_t)
+                if with_entropy:
+                    share, share_t = torch.exp(lse - merged), torch.exp(lse_t - merged)
+                    ent = share * (ent - (lse - merged)) + share_t * (ent_t - (lse_t - merged))
+                lse = merged
             logsumexp[a : a + rows] = lse
-            logprobs[a : a + rows] = z.gather(-1, labels[a : a + rows, None]).squeeze(-1) - lse
+            logprobs[a : a + rows] = picked - lse
             if entropy is not None:
-                entropy[a : a + rows] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                entropy[a : a + rows] = ent
         ctx.save_for_backward(hidden, weight, bias, labels, logsumexp, entropy)
-        ctx.options = (dtype, scale, softcap, temperature, rows)
+        ctx.options = (dtype, scale, softcap, temperature, rows, tile)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -213,46 +241,78 @@ class _LinearLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, logsumexp, entropy = ctx.saved_tensors
-        dtype, scale, softcap, temperature, rows = ctx.options
+        dtype, scale, softcap, temperature, rows, tile = ctx.options
         if grad_logprobs is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 10
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
+        tiles = _tiles(weight.shape[0], tile)
+        same = weight.dtype == dtype  # accumulate in place, without an (r, H) or (t, H) temporary
         for a in range(0, hidden.shape[0], rows):
-            h = hidden[a : a + rows]
-            z, tanh = _head_logits(
-                h, weight, bias, dtype=dtype, scale=scale, softcap=softcap, temperature=temperature
-            )  # (r, V)
-            logp = z - logsumexp[a : a + rows, None]  # (r, V) log p
-            probs = torch.exp(logp)
-            grad_z = torch.zeros_like(z)
-            if grad_logprobs is not None:
-                g = grad_logprobs[a : a + rows, None].to(dtype)  # (r, 1)
-                grad_z = -g * probs
-                grad_z.scatter_add_(-1, labels[a : a + rows, None], g)
-            if grad_entropy is not None:
-                g = grad_entropy[a : a + rows, None].to(dtype)  # (r, 1)
-                grad_z -= g * probs * (logp + entropy[a : a + rows, None])
-            if temperature != 1.0:
-                grad_z = grad_z / temperature
-            if tanh is not None:
-                grad_z = grad_z * (1 - tanh * tanh)
-            if scale != 1.0:
-                grad_z = grad_z * scale
-            grad_z = grad_z.to(weight.dtype)  # (r, V), back through the projection in the weights' dtype
-            if grad_hidden is not None:
-                grad_hidden[a : a + rows] = (grad_z @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (grad_z.t() @ h.to(weight.dtype)).to(dtype)
-            if grad_bias is not None:
-                grad_bias += grad_z.sum(0).to(dtype)
+            h, y = hidden[a : a + rows], labels[a : a + rows]
+            h_head = h.to(weight.dtype)
+            lse = logsumexp[a : a + rows, None]  # (r, 1)
+            g = None if grad_logprobs is None else grad_logprobs[a : a + rows, None].to(dtype)  # (r, 1)
+            g_ent = None if grad_entropy is None else grad_entropy[a : a + rows, None].to(dtype)  # (r, 1)
+            chunk_grad = None if grad_hidden is None else torch.zeros(h.shape, dtype=dtype, device=h.device)
+            for v, w in tiles:
+                z, tanh = _head_logits(
+                    h, weight[v:w], None if bias is None else bias[v:w], dtype=dtype, scale=scale,
+                    softcap=softcap, temperature=temperature,
+                )  # fmt: skip
+                logp = z - lse  # (r, t) log p
+                probs = torch.exp(logp)
+                grad_z = torch.zeros_like(z) if g is None else -g * probs
+                if g is not None:
+                    inside = ((y >= v) & (y < w))[:, None]  # (r, 1)
+                    grad_z.scatter_add_(-1, (y - v).clamp(0, w - v - 1)[:, None], torch.where(inside, g, 0.0))
+                if g_ent is not None:
+                    grad_z -= g_ent * probs * (logp + entropy[a : a + rows, None])
+                if temperature != 1.0:
+                    grad_z.div_(temperature)
+                if tanh is not None:
+                    grad_z.mul_(1 - tanh * tanh)
+                if scale != 1.0:
+                    grad_z.mul_(scale)
+                grad_z = grad_z.to(weight.dtype)  # (r, t), back through the projection in the weights' dtype
+                if chunk_grad is not None:  # (r, H) ∂/∂h of this chunk, summed over the tiles in ``dtype``
+                    if same:
+                        chunk_grad.addmm_(grad_z, weight[v:w])
+                    else:
+                        chunk_grad += (grad_z @ weight[v:w]).to(dtype)
+                if grad_weight is not None:
+                    if same:
+                        grad_weight[v:w].addmm_(grad_z.t(), h_head)
+                    else:
+                        grad_weight[v:w] += (grad_z.t() @ h_head).to(dtype)
+                if grad_bias is not None:
+                    grad_bias[v:w] += grad_z.sum(0).to(dtype)
+            if chunk_grad is not None:
+                grad_hidden[a : a + rows] = chunk_grad.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _tiling(m: int, vocab: int, chunk_rows: int | None, tile: int | None) -> tuple[int, int]:
+    """``(rows per chunk, vocabulary entries per tile)`` with ``rows * tile <= LINEAR_CHUNK_ELEMENTS``
+    unless both are given (a vocabulary that fits one tile keeps the whole row, as before tiling)."""
+    for name, value in (("chunk_rows", chunk_rows), ("tile", tile)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1 or None, got {value}")
+    vocab = max(vocab, 1)
+    if chunk_rows is None:
+        if tile is None:
+            chunk_rows = max(LINEAR_CHUNK_ROWS, LINEAR_CHUNK_ELEMENTS // vocab)
+        else:
+            chunk_rows = max(LINEAR_MIN_ROWS, LINEAR_CHUNK_ELEMENTS // tile)
+    if tile is None:
+        tile = max(1, LINEAR_CHUNK_ELEMENTS // max(1, min(chunk_rows, m)))
+    return chunk_rows, min(tile, vocab)
 
 
 def linear_logprobs(
@@ -266,13 +326,16 @@ def linear_logprobs(
     softcap: float | None = None,
     with_entropy: bool = False,
     chunk_rows: int | None = None,
+    tile: int | None = None,
     check_labels: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and entropies) under the LM head ``z = softcap(s·(hWᵀ + b)) / T``, fused.
 
     Equal to ``gather_logprobs(z, labels)`` and ``entropy_from_logits(z)`` of the full logits, but the
-    ``(M, V)`` logits are only ever built ``chunk_rows`` rows at a time, in the forward and again in
-    the backward pass (where they are recomputed): the extra memory is one chunk, whatever ``V``.
+    ``(M, V)`` logits are only ever built one tile of ``chunk_rows`` rows x ``tile`` vocabulary entries
+    at a time, in the forward (an online log-sum-exp over the tiles) and again in the backward pass
+    (where they are recomputed): the extra memory is one tile, whatever ``M`` and ``V``. The head is
+    read once per chunk of rows in each pass, so large chunks of rows make a large vocabulary cheap.
     Differentiable with respect to ``hidden``, ``weight`` and ``bias`` (through the entropies too).
 
     Args:
@@ -284,7 +347,10 @@ def linear_logprobs(
         logit_scale: ``s``, a multiplier some models apply to the head's output (Cohere's ``logit_scale``).
         softcap: ``c`` of a final logit soft-capping ``c·tanh(x/c)`` (Gemma 2), or None.
         with_entropy: also return the entropy of each row's distribution.
-        chunk_rows: rows per chunk (default: ``LINEAR_CHUNK_ELEMENTS // V``, at least ``LINEAR_MIN_ROWS``).
+        chunk_rows: rows per chunk (default: ``LINEAR_CHUNK_ELEMENTS // V``, at least ``LINEAR_CHUNK_ROWS``;
+            with ``tile`` given, ``LINEAR_CHUNK_ELEMENTS // tile``, at least ``LINEAR_MIN_ROWS``).
+        tile: vocabulary entries per tile (default: ``LINEAR_CHUNK_ELEMENTS // min(chunk_rows, M)``, at
+            most ``V``: a small vocabulary is one tile).
         check_labels: raise on a label outside ``[0, V)`` (two host syncs on an accelerator; callers
             whose labels are token ids the model has just embedded can skip it).
 
@@ -307,11 +373,9 @@ def linear_logprobs(
             f"labels must be token ids in [0, {vocab}), got values in [{labels.min().item()}, "
             f"{labels.max().item()}]; replace ignore indices (e.g. -100) with a valid id and mask them"
         )
-    rows = chunk_rows or max(LINEAR_MIN_ROWS, LINEAR_CHUNK_ELEMENTS // max(vocab, 1))
-    if rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    rows, tile = _tiling(hidden.shape[0], vocab, chunk_rows, tile)
     logprobs, entropy = _LinearLogprobs.apply(
         hidden, weight, bias, labels.long(), float(logit_scale), softcap, float(temperature), with_entropy,
-        rows,
+        rows, tile,
     )  # fmt: skip
     return logprobs, entropy
