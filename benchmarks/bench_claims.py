@@ -210,10 +210,7 @@ class ClaimsBench(bq.Bench):
             "eval_s": time.perf_counter() - start,
             "stamp": stamp,
         }
-        cell_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cell_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        tmp.replace(cell_file)
+        bq.write_cell(cell_file, record)
         return record
 
 

@@ -321,6 +321,14 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def write_cell(path: Path, record: dict) -> None:
+    """A cell's result JSON, written to a temporary sibling and renamed (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
 # --- the plan -------------------------------------------------------------------------------------
 
 
@@ -567,10 +575,7 @@ class Bench:
             "eval_s": eval_s,
             "stamp": stamp,
         }
-        cell_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cell_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        tmp.replace(cell_file)
+        write_cell(cell_file, record)
         return record
 
     # the whole benchmark
