@@ -69,6 +69,7 @@ GOLD = {"class_path": "alignlit.sim.SimGoldReward", "init_args": {"sim_dir": "da
 
 def arms(args) -> dict[str, list[Arm]]:
     long = {"trainer.limit_train_batches": QUICKSTART_ROLLOUTS * args.long}
+    ppo_max = Arm("ppo-max", "PPO-max (as shipped, 30 rollouts)", "ppo", PPO_MAX)  # in two claims, run once
     return {
         "overopt": [
             Arm("ppo-max-long", "PPO-max, long", "ppo", {**PPO_MAX, **long}, snapshots=True),
@@ -93,11 +94,11 @@ def arms(args) -> dict[str, list[Arm]]:
             ),
         ],
         "rrhf": [
-            Arm("ppo-max", "PPO-max (as shipped, 30 rollouts)", "ppo", PPO_MAX),
+            ppo_max,
             Arm("rrhf", "RRHF", "rrhf", {"rank_weight": 0.1}),
         ],
         "chatglm": [
-            Arm("ppo-max", "PPO-max (as shipped, 30 rollouts)", "ppo", PPO_MAX),
+            ppo_max,
             Arm(
                 "ppo-max-filter",
                 "PPO-max + reward-variance prompt filter",
@@ -244,13 +245,6 @@ def filter_epsilon(ranked: Path, quantile: float = 0.25) -> tuple[float, dict]:
     }
 
 
-def ms(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def aggregate(records: list[dict], sft_records: dict[int, dict]) -> dict:
     """Mean and std over seeds; the ``*_vs_sft`` columns are paired with the SFT record of the same
     sampling seed (the same test prompts, the same seed)."""
@@ -270,12 +264,8 @@ def aggregate(records: list[dict], sft_records: dict[int, dict]) -> dict:
         "proxy_vs_sft": [r["proxy"] - sft_records[r["seed"]]["proxy"] for r in records if r["seed"] in sft],
     }
     for key, values in columns.items():
-        out[key], out[f"{key}_std"] = ms(values)
+        out[key], out[f"{key}_std"] = bq.mean_std(values)
     return out
-
-
-def pm(mean, std, digits=3):
-    return "" if mean is None else f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
 def table_md(rows: list[dict]) -> str:
@@ -285,9 +275,9 @@ def table_md(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['claim']} | {r['label']} | {pm(r['gold'], r['gold_std'])} | {pm(r['gold_vs_sft'], r['gold_vs_sft_std'])} | "
-            f"{pm(r['proxy_vs_sft'], r['proxy_vs_sft_std'])} | {pm(r['kl'], r['kl_std'], 2)} | {pm(r['length'], r['length_std'], 1)} | "
-            f"{pm(r['wall_s'], r['wall_s_std'], 0)} | {len(r['seeds'])} |"
+            f"| {r['claim']} | {r['label']} | {bq.pm(r['gold'], r['gold_std'])} | {bq.pm(r['gold_vs_sft'], r['gold_vs_sft_std'])} | "
+            f"{bq.pm(r['proxy_vs_sft'], r['proxy_vs_sft_std'])} | {bq.pm(r['kl'], r['kl_std'], 2)} | {bq.pm(r['length'], r['length_std'], 1)} | "
+            f"{bq.pm(r['wall_s'], r['wall_s_std'], 0)} | {len(r['seeds'])} |"
         )
     return "\n".join(lines)
 
@@ -300,9 +290,9 @@ def curves_md(curves: dict[str, list[dict]]) -> str:
     for arm, points in curves.items():
         for p in points:
             lines.append(
-                f"| {arm} | {p['rollouts']} | {pm(p['gold'], p['gold_std'])} | "
-                f"{pm(p['gold_vs_sft'], p['gold_vs_sft_std'])} | {pm(p['proxy_vs_sft'], p['proxy_vs_sft_std'])} | "
-                f"{pm(p['kl'], p['kl_std'], 2)} | {pm(p['length'], p['length_std'], 1)} |"
+                f"| {arm} | {p['rollouts']} | {bq.pm(p['gold'], p['gold_std'])} | "
+                f"{bq.pm(p['gold_vs_sft'], p['gold_vs_sft_std'])} | {bq.pm(p['proxy_vs_sft'], p['proxy_vs_sft_std'])} | "
+                f"{bq.pm(p['kl'], p['kl_std'], 2)} | {bq.pm(p['length'], p['length_std'], 1)} |"
             )
     return "\n".join(lines)
 
