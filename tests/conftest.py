@@ -84,3 +84,23 @@ def tiny_policy_dir(tmp_path_factory, tokenizer):
     d = tmp_path_factory.mktemp("policy") / "tiny"
     export_pretrained(make_tiny_llama(tokenizer, seed=0, **TINY), tokenizer, d, stage="init")
     return d
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face hub cache holding a tiny random ``Qwen/Qwen2.5-0.5B-Instruct`` (tests/hubcache.py),
+    used offline: ``HF_HUB_CACHE`` points at it and ``HF_HUB_OFFLINE=1``, in the environment and in
+    huggingface_hub's import-time constants (so raw ``from_pretrained("Qwen/...")`` finds it too).
+    Returns the cache root; add more ids with ``make_hub_cache(hub_cache, "org/name", seed=1)`` and run
+    subprocesses with ``env=hub_env(hub_cache)``."""
+    from huggingface_hub import constants
+
+    from tests.hubcache import make_hub_cache
+
+    root = make_hub_cache(tmp_path / "hf-hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return root
