@@ -202,9 +202,9 @@ GOOD = {"train_file": "x.jsonl"}
 @pytest.mark.parametrize(
     "cls, kwargs, match",
     [
-        (SFTDataModule, {}, "give exactly one of train_file and records \\(got neither\\)"),
-        (SFTDataModule, {**GOOD, "records": []}, "give exactly one of train_file and records \\(got both\\)"),
-        (SFTDataModule, {**GOOD, "val_file": "v", "val_records": []}, "give at most one of val_file and val_records"),
+        (SFTDataModule, {}, "give exactly one of train_file, dataset and records \\(got neither\\)"),
+        (SFTDataModule, {**GOOD, "records": []}, "give exactly one of train_file, dataset and records \\(got train_file and records\\)"),
+        (SFTDataModule, {**GOOD, "val_file": "v", "val_records": []}, "give at most one of val_file, val_dataset and val_records"),
         (SFTDataModule, {**GOOD, "batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
         (SFTDataModule, {**GOOD, "batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
         (SFTDataModule, {**GOOD, "batch_size": True}, "batch_size must be an integer >= 1, got True"),

@@ -375,7 +375,7 @@ CALL_CASES = [
     ("records-empty-response", _memory([{"prompt": "a", "response": " b"}, {"prompt": "a", "response": ""}]), DataError, r"records\[1\], field 'response': is empty", True),
     ("records-a-string", _memory("prompt,response"), DataError, r"records: expected a list of dicts or a datasets\.Dataset, got str", True),
     ("records-dataset-dict", _dataset_dict_records, DataError, r"records: a DatasetDict; pass one split \(have \['train'\]\)", True),
-    ("records-and-file", _construct(SFTDataModule, train_file="f.jsonl", records=[]), ValueError, r"SFTDataModule: give exactly one of train_file and records", True),
+    ("records-and-file", _construct(SFTDataModule, train_file="f.jsonl", records=[]), ValueError, r"SFTDataModule: give exactly one of train_file, dataset and records", True),
     ("truncation-max-prompt-length-0", _truncation(max_length=8, max_prompt_length=0), ValueError, r"Truncation: max_prompt_length must be an integer >= 1, got 0", True),
     ("truncation-negative-max-prompt-length", _truncation(max_length=8, max_prompt_length=-3), ValueError, r"Truncation: max_prompt_length must be an integer >= 1, got -3", True),
     ("truncation-negative-max-length", _truncation(max_length=-8, max_prompt_length=-9), ValueError, r"Truncation: max_length must be an integer >= 2, got -8", True),

@@ -1,6 +1,7 @@
 """Record formats, tokenisation with an explicit truncation policy, and DataModules."""
 
 from alignlit.data.base import AlignDataModule, read_split, resolve_tokenizer, split_indices
+from alignlit.data.chat import Prompt, encode_conversation, make_prompt, prompt_columns, render_messages
 from alignlit.data.encoding import Encoded, LMBatch, Truncation, collate_lm, pad_left, pad_right
 from alignlit.data.pair_records import PairError, parse_pairs
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, read_ranked
@@ -31,6 +32,7 @@ __all__ = [
     "PairError",
     "PreferenceBatch",
     "PreferenceDataModule",
+    "Prompt",
     "PromptDataModule",
     "PromptTruncation",
     "RankedGroup",
@@ -48,17 +50,21 @@ __all__ = [
     "drop_cycles",
     "drop_duplicates",
     "drop_ties",
+    "encode_conversation",
     "load_tokenizer",
     "make_loader",
+    "make_prompt",
     "pad_left",
     "pad_right",
     "parse_pairs",
     "parse_prompt",
     "parse_prompt_response",
+    "prompt_columns",
     "read_ranked",
     "read_records",
     "read_split",
     "records_from_memory",
+    "render_messages",
     "resolve_tokenizer",
     "split_hh",
     "split_indices",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +20,22 @@ import torch
 from alignlit.data.args import check_fraction, check_int, check_optional_int
 from alignlit.data.records import DataError, Record, read_records, records_from_memory
 from alignlit.data.sampler import ResumableDataLoader, make_loader
+from alignlit.data.sources import (
+    check_columns,
+    check_dataset_spec,
+    describe,
+    load_dataset_records,
+    rename_columns,
+)
 from alignlit.data.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 log = logging.getLogger(__name__)
+
+DROP_WARN_SHARE = 0.05
+"""A DataModule that drops more than this share of its records warns (the counts are always printed)."""
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -83,7 +94,13 @@ class AlignDataModule(L.LightningDataModule):
     Args:
         train_file: training records: a ``.jsonl`` (optionally ``.gz``), ``.json`` (a list) or
             ``.parquet`` file or a ``datasets.Dataset.save_to_disk`` directory. Exactly one of
-            ``train_file`` and ``records``.
+            ``train_file``, ``dataset`` and ``records``.
+        dataset: training records from ``datasets.load_dataset``: a hub dataset
+            (``{path: openai/gsm8k, name: main, split: train}``) or local files
+            (``{path: json, data_files: FILE, split: train}``); see :mod:`alignlit.data.sources`.
+        val_dataset: validation records from ``datasets.load_dataset`` (same form).
+        columns: renames columns before parsing, ``{source: target}`` (``{question: prompt}``); applied
+            to every source.
         records: in-memory training records instead of ``train_file``: a list of dicts or a
             ``datasets.Dataset``; errors name ``records[i]`` as they name ``file:row``. Not saved in
             ``hparams`` (a ``records_sha256`` of them is).
@@ -105,6 +122,9 @@ class AlignDataModule(L.LightningDataModule):
         records: list[dict] | Dataset | None = None,
         val_file: str | None = None,
         val_records: list[dict] | Dataset | None = None,
+        dataset: dict[str, Any] | None = None,
+        val_dataset: dict[str, Any] | None = None,
+        columns: dict[str, str] | None = None,
         val_fraction: float = 0.05,
         tokenizer: str | None = None,
         batch_size: int = 16,
@@ -115,11 +135,28 @@ class AlignDataModule(L.LightningDataModule):
     ):
         super().__init__()
         name = type(self).__name__
-        if (train_file is None) == (records is None):
-            got = "both" if train_file is not None else "neither"
-            raise ValueError(f"{name}: give exactly one of train_file and records (got {got})")
-        if val_file is not None and val_records is not None:
-            raise ValueError(f"{name}: give at most one of val_file and val_records (got both)")
+        given = [
+            k
+            for k, v in (("train_file", train_file), ("dataset", dataset), ("records", records))
+            if v is not None
+        ]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "neither"
+            raise ValueError(f"{name}: give exactly one of train_file, dataset and records (got {got})")
+        val_given = [
+            k
+            for k, v in (("val_file", val_file), ("val_dataset", val_dataset), ("val_records", val_records))
+            if v is not None
+        ]
+        if len(val_given) > 1:
+            raise ValueError(
+                f"{name}: give at most one of val_file, val_dataset and val_records (got {val_given})"
+            )
+        if dataset is not None:
+            check_dataset_spec(dataset, f"{name}: dataset")
+        if val_dataset is not None:
+            check_dataset_spec(val_dataset, f"{name}: val_dataset")
+        check_columns(columns, f"{name}: columns")
         check_fraction("val_fraction", val_fraction, owner=name)
         check_int("batch_size", batch_size, 1, owner=name)
         check_optional_int("eval_batch_size", eval_batch_size, 1, owner=name)
@@ -166,13 +203,19 @@ class AlignDataModule(L.LightningDataModule):
     @property
     def train_source(self) -> str:
         """Where the training records come from (for messages)."""
-        return self.hparams.train_file if self.hparams.train_file is not None else "records"
+        hp = self.hparams
+        if hp.train_file is not None:
+            return hp.train_file
+        return f"dataset {describe(hp.dataset)}" if hp.get("dataset") is not None else "records"
 
     def read(self) -> tuple[list[Record], list[Record] | None]:
-        """Training records (the first ``max_examples``) and validation records (None: hold out)."""
+        """Training records (the first ``max_examples``) and validation records (None: hold out),
+        with ``columns`` renamed."""
         hp = self.hparams
         if hp.train_file is not None:
             train = read_records(hp.train_file)
+        elif hp.get("dataset") is not None:
+            train = load_dataset_records(hp.dataset, "dataset")
         else:
             train = records_from_memory(self._records, "records")
             hp["records_sha256"] = _digest(train)
@@ -181,10 +224,13 @@ class AlignDataModule(L.LightningDataModule):
         val = None
         if hp.val_file is not None:
             val = read_records(hp.val_file)
+        elif hp.get("val_dataset") is not None:
+            val = load_dataset_records(hp.val_dataset, "val_dataset")
         elif self._val_records is not None:
             val = records_from_memory(self._val_records, "val_records")
             hp["val_records_sha256"] = _digest(val)
-        return train, val
+        columns = hp.get("columns")
+        return rename_columns(train, columns), (None if val is None else rename_columns(val, columns))
 
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
@@ -199,13 +245,40 @@ class AlignDataModule(L.LightningDataModule):
                 f"{self.drops() or 'nothing dropped'})"
             )
         self._ready = True
-        log.info(
-            "%s: %d train / %d val examples; truncations and drops: %s",
-            type(self).__name__,
-            len(self.train_set),
-            len(self.val_set),
-            self.drops() or "none",
+        self.report_setup(len(train) + (len(val) if val is not None else 0))
+
+    def report_setup(self, n_records: int) -> None:
+        """Print what set-up made of the records, with every truncation and drop count (rank zero), log
+        the counts as ``data/<count>`` metrics to the trainer's loggers, and warn loudly when the length
+        policy dropped more than :data:`DROP_WARN_SHARE` of the records."""
+        drops = {k: int(v) for k, v in self.drops().items() if isinstance(v, (int, float)) and v}
+        name = type(self).__name__
+        trainer = self.trainer
+        rank_zero = trainer is None or trainer.is_global_zero
+        counted = ", ".join(f"{k} {v}" for k, v in sorted(drops.items())) or "nothing truncated or dropped"
+        line = (
+            f"alignlit: {name} ({self.train_source}): {n_records} records -> {len(self.train_set)} train / "
+            f"{len(self.val_set)} val examples; {counted}"
         )
+        log.info(line)
+        # drops by length policy (a data-cleaning drop such as a tie or a duplicate is counted, not warned)
+        dropped = sum(v for k, v in drops.items() if k.endswith("over_max_length"))
+        if rank_zero:
+            print(line)
+            if n_records and dropped / n_records > DROP_WARN_SHARE:
+                warnings.warn(
+                    f"{name}: {dropped} of {n_records} records ({dropped / n_records:.0%}) were dropped "
+                    f"({counted}); training uses only the rest. Raise the length limits or use overflow "
+                    "'truncate' if this is not intended",
+                    stacklevel=2,
+                )
+        if trainer is not None and drops:
+            metrics = {
+                "data/examples_train": float(len(self.train_set)),
+                **{f"data/{k}": float(v) for k, v in drops.items()},
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=0)
 
     # ------------------------------------------------------------------ loaders
     def make_loader(self, data: list, batch_size: int, *, shuffle: bool) -> ResumableDataLoader:

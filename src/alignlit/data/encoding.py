@@ -29,10 +29,13 @@ def check_lengths(max_length: int, max_prompt_length: int, overflow: str, *, own
 
 @dataclass
 class Encoded:
-    """Token ids of ``prompt + response (+ EOS)`` and where the response starts."""
+    """Token ids of ``prompt + response (+ EOS)`` and where the response starts; a conversation
+    (:func:`alignlit.data.chat.encode_conversation`) also has a per-token ``loss_mask`` (its assistant
+    turns), which then takes the place of "every token from ``prompt_length`` on"."""
 
     input_ids: list[int]
     prompt_length: int
+    loss_mask: list[bool] | None = None
 
 
 def max_token_chars(tokenizer) -> int:
@@ -167,4 +170,8 @@ def collate_lm(examples: list[Encoded], pad_id: int) -> LMBatch:
     ids, attn = pad_right([e.input_ids for e in examples], pad_id)
     positions = torch.arange(ids.shape[1])[None, :]
     prompt_len = torch.tensor([e.prompt_length for e in examples])[:, None]
-    return LMBatch(ids, attn, attn & (positions >= prompt_len))
+    loss_mask = attn & (positions >= prompt_len)
+    for i, e in enumerate(examples):
+        if e.loss_mask is not None:
+            loss_mask[i, : len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.bool)
+    return LMBatch(ids, attn, loss_mask)

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from alignlit.data.args import check_choice, check_int
+from alignlit.data.chat import Prompt, render_messages
 from alignlit.data.encoding import OVERFLOW_CHOICES, Overflow, max_token_chars, token_ids
 from alignlit.data.records import HH_HUMAN, DataError
 
@@ -53,9 +54,50 @@ class PromptTruncation:
         return len(token_ids(self.tokenizer, text, source))
 
     def __call__(self, prompt: str, source: str = "prompt") -> str | None:
-        """The prompt within the limit, or None when the policy drops it."""
+        """The prompt within the limit, or None when the policy drops it. A :class:`~alignlit.data.Prompt`
+        keeps its fields; a rendered conversation loses whole turns from its start instead of characters."""
         if not isinstance(prompt, str):
             raise DataError(f"{source}: expected a prompt string, got {type(prompt).__name__}")
+        if isinstance(prompt, Prompt) and prompt.templated:
+            return self._conversation(prompt, source)
+        kept = self._text(prompt, source)
+        if isinstance(prompt, Prompt) and kept is not None and kept is not prompt:
+            return Prompt(kept, fields=prompt.fields, source=prompt.source)
+        return kept
+
+    def _over(self, size: str, source: str) -> None:
+        """Raise for overflow 'error'; count a drop for 'drop'."""
+        if self.overflow == "error":
+            raise DataError(
+                f"{source}: the prompt has {size}, more than max_prompt_length={self.max_prompt_length} "
+                "tokens (overflow='error')"
+            )
+        self.counts["prompts_dropped_over_max_length"] += 1
+
+    def _conversation(self, prompt: Prompt, source: str) -> Prompt | None:
+        """A rendered conversation within the limit: its earliest non-system turns dropped (up to the next
+        user turn) until it fits, the last turn kept; None, counted, when the last turn alone does not fit."""
+        n = self.num_tokens(prompt, source)
+        if n <= self.max_prompt_length:
+            return prompt
+        if self.overflow != "truncate":
+            self._over(f"{n} tokens", source)
+            return None
+        messages = list(prompt.messages)
+        system = messages[:1] if messages[0]["role"] == "system" else []
+        turns = messages[len(system) :]
+        while len(turns) > 1:
+            turns = turns[1:]
+            while len(turns) > 1 and turns[0]["role"] != "user":  # a conversation restarts at a user turn
+                turns = turns[1:]
+            text = render_messages(self.tokenizer, system + turns, generation_prompt=True)
+            if self.num_tokens(text, source) <= self.max_prompt_length:
+                self.counts["prompts_left_truncated"] += 1
+                return Prompt(text, fields=prompt.fields, source=prompt.source, messages=system + turns)
+        self.counts["prompts_dropped_over_max_length"] += 1
+        return None
+
+    def _text(self, prompt: str, source: str) -> str | None:
         if len(prompt) <= max(COUNT_CHARS, self.window):
             n = self.num_tokens(prompt, source)
             if n <= self.max_prompt_length:
@@ -63,13 +105,8 @@ class PromptTruncation:
             size = f"{n} tokens"
         else:
             size = f"{len(prompt)} characters (too long to tokenise whole)"
-        if self.overflow == "error":
-            raise DataError(
-                f"{source}: the prompt has {size}, more than max_prompt_length={self.max_prompt_length} "
-                "tokens (overflow='error')"
-            )
-        if self.overflow == "drop":
-            self.counts["prompts_dropped_over_max_length"] += 1
+        if self.overflow != "truncate":
+            self._over(size, source)
             return None
         kept = self._longest_fitting_suffix(prompt[-self.window :])
         if not kept:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignlit.data.chat import prompt_token_ids
 from alignlit.rollout.base import Rollout, SamplingParams
 
 
@@ -75,7 +76,8 @@ def require_pad_token(tokenizer) -> int:
 def encode_prompts(
     tokenizer, prompts: Sequence[str], max_length: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize prompts (with the tokenizer's own special tokens) and left-pad them.
+    """Tokenize prompts (plain text with the tokenizer's own special tokens, a chat-template rendering
+    :class:`~alignlit.data.Prompt` without: :func:`alignlit.data.chat.prompt_token_ids`) and left-pad them.
 
     Args:
         tokenizer: the policy's tokenizer (it must have a pad token).
@@ -93,7 +95,11 @@ def encode_prompts(
         isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
     ):
         raise ValueError(f"max_length must be an integer >= 1 or None, got {max_length!r}")
-    encoded = tokenizer(list(prompts))["input_ids"]
+    prompts = list(prompts)
+    if any(getattr(p, "templated", False) for p in prompts):  # a chat rendering already has its specials
+        encoded = [prompt_token_ids(tokenizer, p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+    else:
+        encoded = tokenizer(prompts)["input_ids"]
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompts[{i}] = {prompts[i]!r} encodes to no tokens")

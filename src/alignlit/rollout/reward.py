@@ -16,6 +16,7 @@ each prompt's samples together.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from alignlit.checks import import_object
+from alignlit.data.chat import prompt_columns
 from alignlit.data.records import read_records
 from alignlit.models.reward import load_preference_model
 from alignlit.rollout.base import Rollout
@@ -139,18 +141,41 @@ def _checked(out, n: int, prompts: Sequence[str], texts: Sequence[str], reward=N
     return rewards
 
 
+def column_kwargs(fn: Callable, prompts: Sequence[str]) -> dict[str, list]:
+    """The prompts' record columns (:func:`alignlit.data.chat.prompt_columns`) that ``fn`` takes as keyword
+    arguments: those its signature names, or all of them when it has ``**kwargs`` (TRL's convention:
+    ``reward(prompts, completions, answer=[...])``)."""
+    columns = prompt_columns(prompts)
+    if not columns:
+        return {}
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return columns
+    positional = list(params)[:2]  # (prompts, responses)
+    return {
+        k: v
+        for k, v in columns.items()
+        if k in params and k not in positional and params[k].kind is not inspect.Parameter.POSITIONAL_ONLY
+    }
+
+
 def score_texts(reward: Reward, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
     """Score ``(prompt, response)`` texts as a (N,) float32 CPU tensor (``reward.score`` or ``reward(...)``).
 
+    Columns the prompts carry (:class:`~alignlit.data.Prompt` fields, e.g. a reference ``answer``) are
+    passed as keyword lists to a reward whose signature names them (:func:`column_kwargs`).
     Raises ``ValueError`` when the reward does not return one finite number per response.
     """
     prompts, responses = list(prompts), list(responses)
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if isinstance(reward, RewardModel):
-        out = reward.score(prompts, responses)
+        out = reward.score(prompts, responses, **column_kwargs(reward.score, prompts))
     elif callable(reward):
-        out = reward(prompts, responses)
+        out = reward(prompts, responses, **column_kwargs(reward, prompts))
     else:
         raise TypeError(
             "reward must have .score(prompts, responses) or be callable (prompts, responses) -> rewards; "
