@@ -222,3 +222,25 @@ def test_missing_mapped_column_names_the_row(tmp_path):
     dm = PromptDataModule(str(f), columns={"question": "prompt"})
     with pytest.raises(DataError, match=r"q.jsonl:2, field 'question': missing"):
         dm.read()
+
+
+def test_hh_pairs_as_conversations(tok, tmp_path):
+    from alignlit.data import PreferenceDataModule
+
+    with gzip.open(GSM8K_TRAIN.parents[1] / "hh-rlhf-harmless-base-dev.jsonl.gz", "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(6)]
+    dm = PreferenceDataModule(
+        records=rows, chat=True, val_fraction=0.0, max_length=1024, max_prompt_length=768
+    )
+    dm.tokenizer = tok
+    train, _ = dm.read()
+    pairs, _ = dm._parse(train)
+    assert len(pairs) == 6
+    first = rows[0]["chosen"]
+    last_human = first[: first.rfind("\n\nAssistant:")].rsplit("\n\nHuman:", 1)[1].strip()
+    assert pairs[0].prompt.endswith(f"<|im_start|>user\n{last_human}<|im_end|>\n<|im_start|>assistant\n")
+    assert pairs[0].chosen == first[first.rfind("\n\nAssistant:") + len("\n\nAssistant:") :].strip()
+    bad = PreferenceDataModule(records=[{"chosen": "no turns", "rejected": "x"}], chat=True, val_fraction=0.0)
+    bad.tokenizer = tok
+    with pytest.raises(DataError, match=r"records\[0\].*not an HH-RLHF dialogue"):
+        bad._parse(bad.read()[0])

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from alignlit.data.encoding import Encoded, token_ids
-from alignlit.data.records import DataError, Record
+from alignlit.data.records import HH_ASSISTANT, HH_HUMAN, DataError, Record
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -214,3 +214,32 @@ def encode_conversation(
 def record_messages(record: Record, field: str = "messages") -> list[dict[str, str]]:
     """The ``messages`` of a record, checked (DataError naming ``file:row`` and the field)."""
     return check_messages(record.fields.get(field), f"{record.source}, field {field!r}")
+
+
+def hh_messages(text: str, where: str) -> list[dict[str, str]]:
+    """An HH-RLHF dialogue (``\\n\\nHuman: … \\n\\nAssistant: …``) as ``{"role", "content"}`` messages
+    (contents stripped); DataError naming ``where`` when it does not alternate from a Human turn."""
+    messages: list[dict[str, str]] = []
+    rest = text
+    if not rest.startswith(HH_HUMAN):
+        raise DataError(f"{where}: not an HH-RLHF dialogue (it must start with '\\n\\nHuman:')")
+    while rest:
+        role, marker = ("user", HH_HUMAN) if rest.startswith(HH_HUMAN) else ("assistant", HH_ASSISTANT)
+        if not rest.startswith(marker):
+            raise DataError(f"{where}: not an HH-RLHF dialogue (text outside a Human/Assistant turn)")
+        rest = rest[len(marker) :]
+        nxt = [i for i in (rest.find(HH_HUMAN), rest.find(HH_ASSISTANT)) if i >= 0]
+        cut = min(nxt) if nxt else len(rest)
+        messages.append({"role": role, "content": rest[:cut].strip()})
+        rest = rest[cut:]
+    return messages
+
+
+def hh_as_conversation(record: Record) -> Record:
+    """An HH-RLHF ``{"chosen", "rejected"}`` record of dialogue strings as the conversational format
+    (lists of messages), other fields kept; other records unchanged."""
+    f = record.fields
+    if not all(isinstance(f.get(k), str) for k in ("chosen", "rejected")) or "prompt" in f:
+        return record
+    converted = {k: hh_messages(f[k], f"{record.source}, field {k!r}") for k in ("chosen", "rejected")}
+    return Record(record.source, {**f, **converted})

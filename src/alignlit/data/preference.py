@@ -14,6 +14,7 @@ from torch import Tensor
 
 from alignlit.data.args import check_int
 from alignlit.data.base import AlignDataModule
+from alignlit.data.chat import hh_as_conversation
 from alignlit.data.encoding import Encoded, LMBatch, Overflow, Truncation, check_lengths, pad_right
 from alignlit.data.pair_records import PairError, parse_pairs
 from alignlit.data.processing import (
@@ -245,6 +246,9 @@ class PreferenceDataModule(AlignDataModule):
         pad_to_multiple_of: round the padded width of a batch up to a multiple of this. Fewer
             distinct shapes: on CPU the allocator then reuses memory instead of fragmenting it
             (with variable widths, peak memory grows over training); on GPUs tensor cores like it.
+        chat: read HH-RLHF dialogues as conversations (Human -> user, Assistant -> assistant), so the
+            prompt is rendered with the tokenizer's chat template as every other stage renders it
+            (:func:`alignlit.data.chat.hh_as_conversation`); for instruct models.
     """
 
     def __init__(
@@ -263,6 +267,7 @@ class PreferenceDataModule(AlignDataModule):
         ranked_margin: bool = False,
         group_by_length: bool = False,
         pad_to_multiple_of: int = 1,
+        chat: bool = False,
         **kwargs,
     ):
         name = type(self).__name__
@@ -278,6 +283,11 @@ class PreferenceDataModule(AlignDataModule):
         counts = {"records": len(records), "ranked_equal_scores": 0}
         for rec in records:
             try:
+                if hp.chat:
+                    try:
+                        rec = hh_as_conversation(rec)
+                    except DataError as e:
+                        raise PairError(rec, None, str(e).removeprefix(f"{rec.source}: "), "not_hh") from None
                 got, ties = parse_pairs(rec, self.tokenizer, ranked_margin=hp.ranked_margin)
             except PairError as e:
                 if not hp.skip_invalid:
