@@ -1,4 +1,7 @@
-"""``alignlit eval``: gold reward of policies on the simulated task's held-out prompts.
+"""``alignlit eval --sim``: gold reward of policies on the simulated task's held-out prompts.
+
+Without ``--sim``, ``alignlit eval`` evaluates policies on real prompts with a verifiable reward
+(accuracy, pass@k, length, KL): :mod:`alignlit.cli.eval_data`.
 
 Example::
 
@@ -108,6 +111,16 @@ def frontier_points(results: Sequence[EvalResult]) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> list[EvalResult]:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--sim" or a.startswith("--sim=") for a in argv):
+        from alignlit.cli.eval_data import main as eval_data
+
+        if not argv or argv[0] in ("-h", "--help"):
+            build_parser().print_help()
+            print("\n(without --sim: real prompts and a verifiable reward)\n")
+        return eval_data(argv)
     from alignlit.models import TinyLlama, load_policy
 
     parser = build_parser()

@@ -2,7 +2,8 @@
 
 Used by ``alignlit eval`` and the quality benchmark; works with any reward callable
 ``reward_fn(prompts, responses) -> list[float]`` (the simulated task's gold reward, a trained
-reward model's ``score``). Prompts are sampled in chunks of ``batch_size`` (one progress-bar step
+reward model's ``score``), called through :func:`~alignlit.rollout.reward.score_texts` (checked, and
+given the prompts' record columns such as a reference ``answer`` when it names them). Prompts are sampled in chunks of ``batch_size`` (one progress-bar step
 each) from one seeded random stream, so the samples do not depend on ``progress``.
 """
 
@@ -16,7 +17,7 @@ import torch
 from alignlit.models.forward import response_logprobs
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.reward import RewardFn
+from alignlit.rollout.reward import RewardFn, score_texts
 
 
 @dataclass
@@ -146,7 +147,7 @@ def evaluate_policy(
         progress=progress,
         desc=f"eval {name}",
     ):
-        gold.append(torch.tensor(list(reward_fn(rollout.prompts, rollout.texts)), dtype=torch.float64))
+        gold.append(score_texts(reward_fn, rollout.prompts, rollout.texts).double())
         lengths.append(rollout.response_lengths.float())
         if reference is not None:
             kls.append(kl_to_reference(rollout, reference, temperature=sampling.temperature))
@@ -196,8 +197,7 @@ def best_of_n(
         progress=progress,
         desc=f"best-of-{n} {name}",
     ):
-        gold = torch.tensor(list(reward_fn(rollout.prompts, rollout.texts)), dtype=torch.float64)
-        gold = gold.view(-1, n)  # (B, n)
+        gold = score_texts(reward_fn, rollout.prompts, rollout.texts).double().view(-1, n)  # (B, n)
         select = gold
         if select_fn is not None:
             scores = list(select_fn(rollout.prompts, rollout.texts))
