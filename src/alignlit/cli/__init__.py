@@ -32,7 +32,7 @@ USAGE = """usage: alignlit {fit,validate,test,predict} --config STAGE.yaml [--ke
        alignlit sim make-data --out DIR [...]
        alignlit eval --sim DIR --policy DIR [...]        (the simulated task's gold reward)
        alignlit eval --policy ID|DIR --dataset openai/gsm8k --dataset-name main --split test \
-           --columns question:prompt --chat --reward alignlit.rewards.MathVerifyReward [...]
+           --columns question:prompt --chat --reward alignlit.rewards.math.MathVerifyReward [...]
        alignlit sample --policy DIR --prompts FILE --n N --out ranked.jsonl [--scorer RM_DIR|gold] [...]
        alignlit score --model RM_DIR (--input FILE --output scores.jsonl | --pairs FILE)
        alignlit serve MODEL_DIR [--port P] [-- vllm serve args]   (a rollout engine for engine: vllm_server)

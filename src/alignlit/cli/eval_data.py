@@ -5,7 +5,7 @@ Example (GSM8K test accuracy of the GRPO recipe's export against the instruct mo
     alignlit eval --policy Qwen/Qwen2.5-0.5B-Instruct out/recipes/gsm8k-grpo --name instruct grpo \\
         --dataset openai/gsm8k --dataset-name main --split test --columns question:prompt --chat \\
         --system-prompt "Solve the math problem step by step. Write the final answer as a number after '####'." \\
-        --reward alignlit.rewards.MathVerifyReward --samples 4 --reference Qwen/Qwen2.5-0.5B-Instruct \\
+        --reward alignlit.rewards.math.MathVerifyReward --samples 4 --reference Qwen/Qwen2.5-0.5B-Instruct \\
         --json out/recipes/gsm8k-eval.json
 
 The prompts come from a :class:`~alignlit.data.PromptDataModule` built from these arguments, so they are
