@@ -51,7 +51,8 @@ class ExportDirCheck(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and getattr(pl_module, "export_dir", None) is not None:
-            check_export_dir(pl_module.export_dir)
+            inputs = pl_module.input_dirs() if hasattr(pl_module, "input_dirs") else None
+            check_export_dir(pl_module.export_dir, inputs=inputs)
 
 
 class CompileDecoder(Callback):

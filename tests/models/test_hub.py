@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
+import lightning as L
+import pytest
 import torch
 from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.hubcache import CHATML_TEMPLATE, DEFAULT_SYSTEM, IM_END, PAD, QWEN, make_hub_cache, snapshot_dir
+from alignlit.cli import main as cli_main
+from alignlit.data import SFTDataModule
+from alignlit.hub import ModelNotFoundError, Pretrained, RemoteCodeError
+from alignlit.models import (
+    ExportDirError,
+    check_export_dir,
+    load_policy,
+    load_scalar_model,
+    load_tokenizer,
+    read_metadata,
+)
+from alignlit.models.loading import model_source
+from alignlit.modules import DPOModule, Optim, SFTModule
+from tests.hubcache import (
+    CHATML_TEMPLATE,
+    DEFAULT_SYSTEM,
+    IM_END,
+    PAD,
+    QWEN,
+    hub_env,
+    make_hub_cache,
+    repo_folder,
+    snapshot_dir,
+    write_snapshot,
+)
 
 MESSAGES = [
     {"role": "user", "content": "Natalia sold 48 clips in April. How many in May?"},
@@ -73,3 +104,197 @@ def test_tiny_qwen_generates(hub_cache):
     out = model.generate(**ids, max_new_tokens=4, do_sample=False)
     n = ids["input_ids"].shape[1]
     assert n < out.shape[1] <= n + 4
+
+
+# ---------------------------------------------------------------------------------------- alignlit's loaders
+def _commit(root, repo_id=QWEN, ref="main") -> str:
+    return (repo_folder(root, repo_id) / "refs" / ref).read_text()
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].float(), sb[k].float()) for k in sa)
+
+
+def test_policy_scalar_model_and_tokenizer_load_by_hub_id(hub_cache):
+    snap = snapshot_dir(hub_cache)
+    reference = AutoModelForCausalLM.from_pretrained(str(snap), dtype=torch.float32)
+    model, tok = load_policy(QWEN)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
+    assert _same_weights(model, reference)
+    assert (tok.eos_token, tok.pad_token) == (IM_END, PAD) and tok.chat_template == CHATML_TEMPLATE
+    assert model_source(model) == {
+        "spec": QWEN,
+        "dir": str(snap),
+        "hub_id": QWEN,
+        "revision": _commit(hub_cache),
+    }
+
+    rm, rm_tok = load_scalar_model(QWEN, head="fresh")  # a backbone with a fresh scalar head
+    assert type(rm.hf_model).__name__ == "Qwen2ForSequenceClassification"
+    assert torch.equal(rm.hf_model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert rm.hf_model.score.weight.shape == (1, 128)
+    assert rm_tok.get_vocab() == tok.get_vocab()
+
+    tok2 = load_tokenizer(QWEN)
+    assert tok2.get_vocab() == tok.get_vocab() and tok2.pad_token == PAD
+
+
+def test_revision_by_ref_name_and_by_commit(hub_cache):
+    main = _commit(hub_cache)
+    make_hub_cache(hub_cache, QWEN, seed=1, refs=("v2",))  # another commit of the same id, on a branch
+    v2 = _commit(hub_cache, ref="v2")
+    assert v2 != main and _commit(hub_cache) == main
+    seed0 = load_policy(QWEN)[0]
+    seed1 = load_policy(f"{QWEN}@v2")[0]
+    assert not _same_weights(seed0, seed1)
+    assert model_source(seed1)["revision"] == v2
+    assert _same_weights(load_policy(QWEN, revision=v2)[0], seed1)  # the commit hash
+    assert _same_weights(load_policy(f"{QWEN}@{main}")[0], seed0)
+    pinned = load_policy(Pretrained(QWEN, revision="v2", attn_implementation="eager"))[0]
+    assert _same_weights(pinned, seed1) and pinned.config._attn_implementation == "eager"
+    assert model_source(load_scalar_model(f"{QWEN}@v2")[0])["revision"] == v2
+    with pytest.raises(ValueError, match="two revisions given, 'v2' in the id and 'main'"):
+        load_policy(f"{QWEN}@v2", revision="main")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e)
+    assert "\n" not in text and e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+    return text
+
+
+def test_missing_hub_id_is_one_line_naming_the_id_and_what_to_do(hub_cache):
+    with pytest.raises(ModelNotFoundError) as info:
+        load_policy("NoSuchOrg/x")
+    assert _one_line(info.value) == (
+        f"policy 'NoSuchOrg/x': not found in the local Hugging Face cache ({hub_cache}) and HF_HUB_OFFLINE=1; "
+        "download it once with network (`hf download NoSuchOrg/x`) or give a local directory"
+    )
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(ModelNotFoundError) as info:
+        load_scalar_model(f"{QWEN}@v9")
+    assert "revision 'v9' not found in the local Hugging Face cache" in _one_line(info.value)
+    assert "(cached: main)" in str(info.value) and f"`hf download {QWEN} --revision v9`" in str(info.value)
+    with pytest.raises(ModelNotFoundError, match="tokenizer 'NoSuchOrg/x': not found"):
+        load_tokenizer("NoSuchOrg/x")
+
+
+@pytest.mark.parametrize("spec", ["./missing/dir", "/abs/missing", "missing"])
+def test_a_path_that_is_no_hub_id_keeps_the_directory_message(hub_cache, spec):
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(spec)
+    assert type(info.value) is FileNotFoundError
+    assert (
+        str(info.value)
+        == f"policy '{spec}' is not a directory, nor a Hugging Face hub id (org/name[@revision])"
+    )
+
+
+def test_sample_with_a_missing_hub_id_exits_in_one_line(hub_cache, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+3?"}) + "\n")
+    argv = [
+        "sample",
+        "--policy",
+        "NoSuchOrg/x",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "alignlit.cli", *argv], env=hub_env(hub_cache), capture_output=True, text=True
+    )
+    assert run.returncode != 0
+    assert "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip() == (
+        f"alignlit sample: policy 'NoSuchOrg/x': not found in the local Hugging Face cache ({hub_cache}) and "
+        "HF_HUB_OFFLINE=1; download it once with network (`hf download NoSuchOrg/x`) or give a local directory"
+    )
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_sample_by_hub_id(hub_cache, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2+3?"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    groups = cli_main(["sample", "--policy", QWEN, "--prompts", str(prompts), "--out", str(out), "--n", "2",
+                       "--max-new-tokens", "3", "--no-progress"])  # fmt: skip
+    assert len(groups) == 1 and len(groups[0].responses) == 2 and out.is_file()
+
+
+def test_model_that_needs_its_own_code_is_refused_naming_the_flag(hub_cache, tmp_path):
+    custom = tmp_path / "custom"
+    shutil.copytree(snapshot_dir(hub_cache), custom)
+    config = json.loads((custom / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (custom / "config.json").unlink()  # a symbolic link into the blobs: replace it, not its target
+    (custom / "config.json").write_text(json.dumps(config))
+    write_snapshot(hub_cache, "Custom/remote", custom)
+    for load in (load_policy, load_scalar_model):
+        with pytest.raises(RemoteCodeError) as info:
+            load("Custom/remote")
+        assert "modeling_custom.CustomForCausalLM" in _one_line(info.value)
+        assert "trust_remote_code: true" in str(info.value) and "'Custom/remote'" in str(info.value)
+    with pytest.raises(RemoteCodeError):
+        load_policy(str(custom))  # a local directory too
+    assert load_tokenizer("Custom/remote").eos_token == IM_END  # its tokenizer needs no code
+
+
+# ---------------------------------------------------------------------------------------- exports
+def _sft_data(tmp_path, n=12):
+    f = tmp_path / "sft.jsonl"
+    f.write_text(
+        "".join(json.dumps({"prompt": f"What is {i}+1?", "response": f" {i + 1}"}) + "\n" for i in range(n))
+    )
+    return f
+
+
+def _fit(module, tmp_path, steps=2):
+    dm = SFTDataModule(str(_sft_data(tmp_path)), batch_size=4, val_fraction=0.0, seed=0)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, dm)
+    return trainer
+
+
+def test_export_records_the_hub_source_and_revision(hub_cache, tmp_path):
+    out = tmp_path / "sft"
+    module = SFTModule(policy=QWEN, optim=Optim(lr=1e-3, warmup_steps=1), export_dir=str(out))
+    _fit(module, tmp_path)
+    meta = read_metadata(out)
+    assert meta["source"] == {"spec": QWEN, "hub_id": QWEN, "revision": _commit(hub_cache)}
+    model, tok = load_policy(out)  # the export is a plain directory again
+    assert type(model).__name__ == "Qwen2ForCausalLM" and tok.chat_template == CHATML_TEMPLATE
+    assert model_source(model) == {"spec": str(out), "dir": str(out)}
+    nxt = tmp_path / "sft2"
+    SFTModule(policy=str(out)).export(nxt)  # a local start records its path, no hub fields
+    assert read_metadata(nxt)["source"] == {"spec": str(out)}
+
+
+@pytest.mark.parametrize("role", ["policy", "reference"])
+def test_export_onto_an_input_directory_is_refused_before_training(hub_cache, tmp_path, role):
+    start = tmp_path / "start"
+    SFTModule(policy=QWEN).export(start)  # an alignlit export: check_export_dir alone would replace it
+    before = (start / "model.safetensors").read_bytes()
+    if role == "policy":
+        module = SFTModule(policy=str(start), export_dir=str(start))
+    else:
+        module = DPOModule(policy=QWEN, reference=str(start), export_dir=str(start))
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False)
+    with pytest.raises(ExportDirError) as info:
+        trainer.fit(module, SFTDataModule(str(_sft_data(tmp_path)), batch_size=4, val_fraction=0.0))
+    assert str(info.value) == (
+        f"export_dir '{start}' is the {role} directory '{start}' this stage starts from: the export would "
+        f"replace the {role} it is trained from; choose another export_dir"
+    )
+    assert trainer.global_step == 0 and (start / "model.safetensors").read_bytes() == before
+
+
+def test_export_around_an_input_directory_is_refused(tmp_path):
+    inner = tmp_path / "runs" / "sft"
+    inner.mkdir(parents=True)
+    with pytest.raises(ExportDirError, match=r"export_dir '.*runs' holds the policy directory '.*runs/sft'"):
+        check_export_dir(tmp_path / "runs", inputs={"policy": inner})
+    assert check_export_dir(tmp_path / "other", inputs={"policy": inner}) == tmp_path / "other"

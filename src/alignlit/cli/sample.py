@@ -17,6 +17,7 @@ simulated task's gold reward, or the dotted path of a reward function. Example (
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,8 @@ from alignlit.data.encoding import OVERFLOW_CHOICES
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, write_jsonl
 from alignlit.data.records import parse_prompt, read_records
 from alignlit.eval.lengths import Reader, describe, fit_prompts
-from alignlit.models.reward import model_positions
+from alignlit.hub import ModelNotFoundError, RemoteCodeError, is_repo_id
+from alignlit.models.reward import model_positions, resolve_model_path
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.reward import resolve_reward, score_texts
 from alignlit.rollout.sampling import Scorer, sample_ranked
@@ -46,6 +48,8 @@ def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 6
         from alignlit.sim import SimGoldReward
 
         return SimGoldReward(str(sim)).task.gold_rewards
+    if is_repo_id(spec) and not Path(spec).exists():  # a reward model by hub id: its snapshot directory
+        spec = str(resolve_model_path(spec, what="scorer"))
     if ("/" in spec or Path(spec).exists()) and not Path(spec).is_dir():
         raise FileNotFoundError(f"scorer {spec!r} is neither 'gold' nor a reward-model directory")
     reward = resolve_reward(spec, batch_size=batch_size)
@@ -59,7 +63,9 @@ def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 6
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignlit sample", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", required=True, help="policy directory (any stage's export)")
+    p.add_argument(
+        "--policy", required=True, help="policy directory (any stage's export) or hub id org/name[@revision]"
+    )
     p.add_argument(
         "--prompts", required=True, help="prompt records (JSONL/JSON/Parquet; 'prompt' or HH format)"
     )
@@ -156,8 +162,11 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
     prompts = [parse_prompt(r) for r in records]
     if not prompts:
         parser.error(f"{args.prompts}: no prompts")
-    scorer = load_scorer(args.scorer, sim=args.sim, batch_size=args.batch_size) if args.scorer else None
-    policy, tokenizer = load_policy(args.policy, dtype=args.dtype)
+    try:  # a hub id that does not resolve, or a model that needs its own code: one line, no traceback
+        scorer = load_scorer(args.scorer, sim=args.sim, batch_size=args.batch_size) if args.scorer else None
+        policy, tokenizer = load_policy(args.policy, dtype=args.dtype)
+    except (ModelNotFoundError, RemoteCodeError) as e:
+        sys.exit(f"alignlit sample: {e}")
     policy.eval()
     readers = [Reader(f"the policy {args.policy}", tokenizer, model_positions(policy.config))]
     try:

@@ -27,8 +27,9 @@ import torch
 from alignlit.data.pair_records import PairError
 from alignlit.data.records import read_records
 from alignlit.eval.score import evaluate_pairs, score_records
+from alignlit.hub import ModelNotFoundError, RemoteCodeError
 from alignlit.models.export import read_metadata
-from alignlit.models.reward import PositionsError
+from alignlit.models.reward import PositionsError, resolve_model_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,13 +62,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = args.input or args.pairs
     records = read_records(source)[: args.max_examples]
     try:
+        model_dir = str(resolve_model_path(args.model, what="reward model"))
         with torch.no_grad():
             if args.input:
                 from alignlit.sim.data import write_jsonl
 
                 counts: dict[str, int] = {}
                 scored = score_records(
-                    args.model, records, batch_size=args.batch_size, max_length=args.max_length, counts=counts
+                    model_dir, records, batch_size=args.batch_size, max_length=args.max_length, counts=counts
                 )
                 write_jsonl(args.output, scored)
                 s = torch.tensor([r["score"] for r in scored])
@@ -76,16 +78,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(truncation_line(counts))
                 return
             metrics = evaluate_pairs(
-                args.model, records, batch_size=args.batch_size, max_length=args.max_length
+                model_dir, records, batch_size=args.batch_size, max_length=args.max_length
             )
-    except PairError as e:
+    except (PairError, ModelNotFoundError, RemoteCodeError) as e:
         sys.exit(f"alignlit score: {e}")
     except PositionsError as e:
         parser.error(f"--max-length {args.max_length}: {e}")
     metrics = {
         "model": args.model,
         "pairs_file": args.pairs,
-        "stage": read_metadata(args.model).get("stage"),
+        "stage": read_metadata(model_dir).get("stage"),
         **metrics,
     }
     print(json.dumps(metrics, indent=2))

@@ -1,4 +1,4 @@
-"""Loading a tokenizer from a local Hugging Face directory, with errors that say what is missing."""
+"""Loading a tokenizer from a Hugging Face directory or hub id, with errors that say what is missing."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from alignlit.data.records import DataError
+from alignlit.hub import Pretrained, check_remote_code, resolve_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,15 +25,11 @@ _VOCABULARIES = (
 )
 
 
-def check_dir(path: str | Path, what: str) -> Path:
-    """``path`` as a Path if it is a directory; a clear error otherwise (nothing is downloaded)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(
-            f"{what} {str(path)!r} is not a directory; alignlit loads models and tokenizers only from local "
-            "Hugging Face directories (nothing is downloaded)"
-        )
-    return p
+def check_dir(path: str | Path | Pretrained, what: str, *, revision: str | None = None) -> Path:
+    """The local directory of ``path``: a directory is itself, a hub id ``org/name[@revision]`` (or a
+    :class:`~alignlit.hub.Pretrained`) its snapshot in the hub cache (:func:`alignlit.hub.resolve_model`);
+    anything else is a one-line ``FileNotFoundError`` naming ``what``."""
+    return resolve_model(path, what=what, revision=revision)
 
 
 def _check_files(p: Path) -> None:
@@ -52,8 +49,12 @@ def _check_files(p: Path) -> None:
                 raise DataError(f"{f}: not valid JSON ({e}); the tokenizer folder is damaged") from e
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local directory and make sure it can pad.
+def load_tokenizer(
+    path: str | Path | Pretrained, *, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local directory or a hub id ``org/name[@revision]`` (a model's tokenizer
+    comes from the model's own directory) and make sure it can pad. A tokenizer whose config names its own
+    code is refused unless ``trust_remote_code`` (:class:`~alignlit.hub.RemoteCodeError`).
 
     Raises ``FileNotFoundError`` naming the folder when it is missing or holds no tokenizer files,
     :class:`~alignlit.data.DataError` naming the file when one is not valid JSON, and ``ValueError``
@@ -61,10 +62,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """
     from transformers import AutoTokenizer
 
-    p = check_dir(path, "tokenizer")
+    if isinstance(path, Pretrained):
+        trust_remote_code = trust_remote_code or path.trust_remote_code
+    p = check_dir(path, "tokenizer", revision=revision)
+    check_remote_code(
+        p, what="tokenizer", spec=str(path), trust_remote_code=trust_remote_code, tokenizer=True
+    )
     _check_files(p)
     try:
-        tok = AutoTokenizer.from_pretrained(str(p))
+        tok = AutoTokenizer.from_pretrained(
+            str(p), **({"trust_remote_code": True} if trust_remote_code else {})
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"tokenizer folder {str(p)!r}: transformers cannot build a tokenizer from "

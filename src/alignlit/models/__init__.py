@@ -1,5 +1,6 @@
 """Model loading, tiny-model and tokenizer factories, and Hugging Face export."""
 
+from alignlit.hub import ModelNotFoundError, Pretrained, RemoteCodeError, resolve_model
 from alignlit.models.export import ExportDirError, check_export_dir, export_pretrained, read_metadata
 from alignlit.models.loading import (
     NotARewardModelError,
@@ -15,7 +16,10 @@ from alignlit.models.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 __all__ = [
     "HH_CHAT_TEMPLATE",
     "ExportDirError",
+    "ModelNotFoundError",
     "NotARewardModelError",
+    "Pretrained",
+    "RemoteCodeError",
     "ScalarHeadModel",
     "TinyLlama",
     "check_export_dir",
@@ -26,6 +30,7 @@ __all__ = [
     "load_tokenizer",
     "make_tiny_llama",
     "read_metadata",
+    "resolve_model",
     "tiny_llama_config",
     "train_bpe_tokenizer",
 ]

@@ -72,13 +72,16 @@ def _probe_writable(parent: Path, out: Path) -> None:
     os.rmdir(probe)
 
 
-def check_export_dir(out_dir: str | Path) -> Path:
+def check_export_dir(out_dir: str | Path, *, inputs: dict[str, str | Path] | None = None) -> Path:
     """Check, without writing anything that stays, that an export can go to ``out_dir``.
 
     Raises :class:`ExportDirError` naming the path when ``out_dir`` is ``""``, a file, a symbolic link,
     a non-empty directory that is not an alignlit export, under a file, or in a location where
-    nothing can be created (read-only filesystem, no permission). Called by every stage before
-    training (:class:`alignlit.callbacks.ExportDirCheck`) and by :func:`export_pretrained`.
+    nothing can be created (read-only filesystem, no permission); and, naming both, when it is (or
+    holds) one of the stage's ``inputs`` (``{"policy": dir, "reference": dir, ...}``): the export would
+    replace the model the stage starts from. Called by every stage before training
+    (:class:`alignlit.callbacks.ExportDirCheck`, with the stage's input directories) and by
+    :func:`export_pretrained`.
     """
     if isinstance(out_dir, str) and not out_dir.strip():
         raise ExportDirError(
@@ -86,6 +89,7 @@ def check_export_dir(out_dir: str | Path) -> Path:
             "(or null for no export)"
         )
     out = Path(out_dir)
+    _check_not_an_input(out, inputs or {})
     if out.is_symlink():
         raise ExportDirError(f"export_dir {str(out)!r} is a symbolic link; give the real directory")
     if out.exists():
@@ -113,6 +117,19 @@ def check_export_dir(out_dir: str | Path) -> Path:
     return out
 
 
+def _check_not_an_input(out: Path, inputs: dict[str, str | Path]) -> None:
+    """Refuse an export onto (or around) a directory the stage reads its models from."""
+    target = Path(os.path.realpath(out))
+    for role, path in inputs.items():
+        src = Path(os.path.realpath(path))
+        if src == target or target in src.parents:
+            where = "is" if src == target else "holds"
+            raise ExportDirError(
+                f"export_dir {str(out)!r} {where} the {role} directory {str(path)!r} this stage starts from: the "
+                f"export would replace the {role} it is trained from; choose another export_dir"
+            )
+
+
 def export_pretrained(
     model,
     tokenizer,
@@ -124,6 +141,7 @@ def export_pretrained(
     metrics: dict[str, Any] | None = None,
     state_dict: dict[str, Any] | None = None,
     lora_export: LoRAExport = "merged",
+    source: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` and ``tokenizer`` with ``save_pretrained`` plus ``alignlit.json``.
 
@@ -134,6 +152,8 @@ def export_pretrained(
     ``state_dict`` overrides the model's own (pass the gathered full state of a sharded model). A model
     with a LoRA adapter is written merged (a normal Hugging Face directory) or, with
     ``lora_export="adapter"``, as the adapter alone (:func:`alignlit.models.lora.save_lora_model`).
+    ``source`` records where the trained model started (``{"spec": ..., "hub_id": ..., "revision":
+    <commit>}`` for a hub model, :func:`alignlit.models.loading.describe_source`).
     """
     out = check_export_dir(out_dir)
     old = _old(out)
@@ -158,6 +178,8 @@ def export_pretrained(
             "data": data or {},
             "metrics": metrics or {},
         }
+        if source:
+            meta["source"] = {k: v for k, v in source.items() if k != "dir"}
         # written last: a directory with alignlit.json is a complete export
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
         if out.exists():

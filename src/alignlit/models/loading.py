@@ -1,4 +1,4 @@
-"""Load causal LMs and scalar-head models from local Hugging Face directories."""
+"""Load causal LMs and scalar-head models from Hugging Face directories or hub ids (:mod:`alignlit.hub`)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,24 @@ from transformers import (
 )
 
 from alignlit.data.tokenizer import load_tokenizer
+from alignlit.hub import (
+    PACKAGE_PREFIX,
+    Pretrained,
+    check_remote_code,
+    is_repo_id,
+    resolve_model,
+    snapshot_source,
+)
 from alignlit.models.export import interrupted_export_message, read_metadata
 from alignlit.models.lora import HEAD_NAMES, adapter_base, is_adapter_dir, load_adapter_export
 from alignlit.models.modes import disable_dropout
 from alignlit.quiet import expected_load_report
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Stages keep their __init__ arguments (a Pretrained among them) in checkpoints; let torch.load's
+# weights-only unpickler rebuild it on resume.
+torch.serialization.add_safe_globals([Pretrained])
 
 
 def check_dtype(dtype: str, what: str = "dtype") -> str:
@@ -53,38 +65,111 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_dir(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not p.is_dir():
-        hint = interrupted_export_message(p)
-        if hint is not None:
-            raise FileNotFoundError(f"{what} {str(path)!r}: {hint}")
-        raise FileNotFoundError(
-            f"{what} {str(path)!r} is not a directory; alignlit loads models and tokenizers only from local "
-            "Hugging Face directories (nothing is downloaded)"
-        )
-    return p
+def resolve_source(
+    spec, what: str, *, revision: str | None = None, trust_remote_code: bool = False
+) -> tuple[Path, dict]:
+    """The local directory of model ``spec`` (a directory, ``package:<module>``, a hub id
+    ``org/name[@revision]`` or a :class:`~alignlit.hub.Pretrained`; :func:`alignlit.hub.resolve_model`)
+    and the ``from_pretrained`` options it carries (``trust_remote_code``, ``attn_implementation``).
 
-
-def load_policy(path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a Hugging Face directory (any stage's export works).
-
-    ``path`` may also be a model spec with ``build() -> (model, tokenizer)`` (e.g.
-    :class:`alignlit.models.TinyLlama`), which builds a fresh model instead. A LoRA adapter export
-    (``lora.export: adapter``) loads as its base model with the adapter merged.
+    A missing export interrupted between its two renames says how to restore it; a model whose config
+    names its own code is refused unless ``trust_remote_code`` (:class:`~alignlit.hub.RemoteCodeError`).
     """
-    if not isinstance(path, (str, os.PathLike)) and hasattr(path, "build"):
+    attn = None
+    if isinstance(spec, Pretrained):
+        revision = revision or spec.revision
+        trust_remote_code = trust_remote_code or spec.trust_remote_code
+        attn = spec.attn_implementation
+        spec = spec.path
+    text = os.fspath(spec)
+    hint = interrupted_export_message(Path(text)) if not text.startswith(PACKAGE_PREFIX) else None
+    if hint is not None:
+        raise FileNotFoundError(f"{what} {text!r}: {hint}")
+    p = resolve_model(text, what=what, revision=revision, trust_remote_code=trust_remote_code)
+    check_remote_code(p, what=what, spec=text, trust_remote_code=trust_remote_code)
+    options: dict = {"trust_remote_code": True} if trust_remote_code else {}
+    if attn is not None:
+        options["attn_implementation"] = attn
+    return p, options
+
+
+def describe_source(spec, directory: Path) -> dict[str, str]:
+    """Where a loaded model came from, as exports record it: ``spec`` as given, the local ``directory``
+    it resolved to and, for a hub snapshot, its ``hub_id`` and ``revision`` (the commit hash)."""
+    info = {"spec": str(spec), "dir": str(directory)}
+    return {**info, **(snapshot_source(directory) or {})}
+
+
+def model_source(model: nn.Module | None) -> dict[str, str] | None:
+    """The :func:`describe_source` record that :func:`load_policy` / :func:`load_scalar_model` attached to
+    ``model`` (found through wrappers: LoRA, :class:`ScalarHeadModel`); None for a model built otherwise."""
+    if model is None:
+        return None
+    for sub in model.modules():
+        source = getattr(sub, "alignlit_source", None)
+        if isinstance(source, dict):
+            return source
+    return None
+
+
+def _adapter_base(path: Path, what: str, options: dict) -> Path:
+    """The base model of a LoRA adapter export: a local directory, or a hub id / hub snapshot path
+    (an adapter trained elsewhere) resolved through the hub cache."""
+    try:
+        return adapter_base(path)
+    except FileNotFoundError:
+        base = str(
+            json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        )
+        source = snapshot_source(base)
+        if source is not None:
+            base = f"{source['hub_id']}@{source['revision']}"
+        if not is_repo_id(base):
+            raise
+        base_dir = resolve_model(
+            base, what=f"{what} {path}'s LoRA base", trust_remote_code=options.get("trust_remote_code", False)
+        )
+        check_remote_code(
+            base_dir, what=f"{what} {path}'s LoRA base", spec=base,
+            trust_remote_code=options.get("trust_remote_code", False),
+        )  # fmt: skip
+        return base_dir
+
+
+def load_policy(
+    path,
+    *,
+    dtype: str = "float32",
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer (from the same directory).
+
+    ``path`` is a local Hugging Face directory (any stage's export works), a hub id
+    ``org/name[@revision]`` (through the hub cache; offline with ``HF_HUB_OFFLINE=1``), ``package:<module>``
+    or a :class:`~alignlit.hub.Pretrained` (its settings, unless given here). It may also be a model spec
+    with ``build() -> (model, tokenizer)`` (e.g. :class:`alignlit.models.TinyLlama`), which builds a fresh
+    model instead. A LoRA adapter export (``lora.export: adapter``) loads as its base model with the adapter
+    merged. ``trust_remote_code`` is off by default: a model that needs its own code is refused, naming it.
+    """
+    if not isinstance(path, (str, os.PathLike, Pretrained)) and hasattr(path, "build"):
         return path.build()
-    p = _check_dir(path, "policy")
     check_dtype(dtype)
+    p, options = resolve_source(path, "policy", revision=revision, trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
     if is_adapter_dir(p):
-        base = AutoModelForCausalLM.from_pretrained(str(adapter_base(p)), dtype=DTYPES[dtype])
+        base = AutoModelForCausalLM.from_pretrained(
+            str(_adapter_base(p, "policy", options)), dtype=DTYPES[dtype], **options
+        )
         model = load_adapter_export(p, base)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
-    tok = load_tokenizer(p)
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], **options)
+    tok = load_tokenizer(p, trust_remote_code=options.get("trust_remote_code", False))
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
+    model.alignlit_source = describe_source(path, p)
     return model, tok
 
 
@@ -98,11 +183,12 @@ class NotARewardModelError(ValueError):
     """A directory loaded as a reward model (or trained critic) holds no trained scalar head."""
 
 
-def _has_trained_head_config(path: Path) -> tuple[bool, str]:
-    """Whether ``path`` claims a trained scalar head (reward-stage metadata, or a
-    ``…ForSequenceClassification`` config with one label), and what it is, for messages."""
+def _has_trained_head_config(path: Path, base: Path, options: dict) -> tuple[bool, str]:
+    """Whether ``path`` (its weights' directory ``base``: itself, or a LoRA adapter's base) claims a
+    trained scalar head (reward-stage metadata, or a ``…ForSequenceClassification`` config with one
+    label), and what it is, for messages."""
     stage = read_metadata(path).get("stage")
-    config = AutoConfig.from_pretrained(str(adapter_base(path) if is_adapter_dir(path) else path))
+    config = AutoConfig.from_pretrained(str(base), **options)
     archs = list(getattr(config, "architectures", None) or [])
     what = f"{', '.join(archs) or type(config).__name__}" + (f", alignlit stage {stage!r}" if stage else "")
     seq_cls = any(a.endswith("ForSequenceClassification") for a in archs) and config.num_labels == 1
@@ -110,12 +196,20 @@ def _has_trained_head_config(path: Path) -> tuple[bool, str]:
 
 
 def load_scalar_model(
-    path: str | Path, *, head: HeadMode = "fresh", dtype: str = "float32"
+    path: str | Path | Pretrained,
+    *,
+    head: HeadMode = "fresh",
+    dtype: str = "float32",
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[ScalarHeadModel, PreTrainedTokenizerBase]:
     """Load a scalar-head model (reward model or critic) as a :class:`ScalarHeadModel`.
 
     Args:
-        path: a local Hugging Face directory.
+        path: a local Hugging Face directory, a hub id ``org/name[@revision]``, ``package:<module>`` or a
+            :class:`~alignlit.hub.Pretrained` (as :func:`load_policy`; the tokenizer comes from the same
+            directory).
         head: ``"trained"`` requires a trained scalar head: the export of a reward stage, or a
             ``…ForSequenceClassification`` with ``num_labels`` 1, *and* the head's weights in the
             checkpoint (the loader's missing keys are checked, not only the config); anything else
@@ -125,6 +219,7 @@ def load_scalar_model(
             model's start, or a PPO critic started from the policy); a head the checkpoint holds is
             loaded. Any encoder with a sequence-classification class (e.g. MiniLM) works as well.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
+        revision, attn_implementation, trust_remote_code: as :func:`load_policy`.
 
     A LoRA adapter export of a reward stage (``lora.export: adapter``, its head saved with the adapter)
     loads as its base with the adapter and the head merged.
@@ -132,23 +227,23 @@ def load_scalar_model(
     if head not in ("trained", "fresh"):
         raise ValueError(f"head must be 'trained' or 'fresh', got {head!r}")
     check_dtype(dtype)
-    p = _check_dir(path, "model")
+    p, options = resolve_source(path, "model", revision=revision, trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
     adapter = is_adapter_dir(p)
+    base = _adapter_base(p, "model", options) if adapter else p
     if head == "trained":
-        claims, what = _has_trained_head_config(p)
+        claims, what = _has_trained_head_config(p, base, options)
         if not claims:
             raise NotARewardModelError(
                 f"{p} is not a reward model: it is a {what} with no trained scalar head, so its scores would "
                 "come from a randomly initialised head. Give the export of a reward stage "
                 "(alignlit.modules.RewardModule) or a …ForSequenceClassification directory with num_labels 1"
             )
-    tok = load_tokenizer(p)
+    tok = load_tokenizer(p, trust_remote_code=options.get("trust_remote_code", False))
     with expected_load_report() if head == "fresh" else contextlib.nullcontext():
         hf, info = AutoModelForSequenceClassification.from_pretrained(
-            str(adapter_base(p) if adapter else p),
-            num_labels=1,
-            dtype=DTYPES[dtype],
-            output_loading_info=True,
+            str(base), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True, **options
         )
     if head == "fresh" and not adapter:
         _report_fresh_head(p, info)
@@ -167,6 +262,7 @@ def load_scalar_model(
         )
     if hf.config.pad_token_id is None:
         hf.config.pad_token_id = tok.pad_token_id
+    hf.alignlit_source = describe_source(path, p)
     return ScalarHeadModel(hf), tok
 
 

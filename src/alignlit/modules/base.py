@@ -14,8 +14,9 @@ import lightning as L
 import torch
 
 from alignlit.checks import validate_optimizer_args
+from alignlit.hub import Pretrained
 from alignlit.models.export import export_pretrained
-from alignlit.models.loading import DTYPES, enable_gradient_checkpointing, load_policy
+from alignlit.models.loading import DTYPES, enable_gradient_checkpointing, load_policy, model_source
 from alignlit.models.lora import AdapterDisabled, LoRA, apply_lora
 from alignlit.models.modes import disable_dropout
 from alignlit.models.tiny import TinyLlama
@@ -227,6 +228,21 @@ class AlignModule(L.LightningModule):
             apply_lora(model, self.lora)
         return model
 
+    #: the arguments that name a model the stage reads (:meth:`input_dirs`)
+    MODEL_ARGUMENTS = ("policy", "reference", "reward", "critic", "model")
+
+    def input_dirs(self) -> dict[str, Path]:
+        """The local directories this stage reads models from (its ``policy``, ``reference``, ``reward``,
+        ``critic`` or ``model`` argument, where that is a directory), which ``export_dir`` must not
+        replace (:func:`alignlit.models.export.check_export_dir`)."""
+        out = {}
+        for role in self.MODEL_ARGUMENTS:
+            value = self.hparams.get(role)
+            path = value.path if isinstance(value, Pretrained) else value
+            if isinstance(path, (str, Path)) and str(path) and Path(path).is_dir():
+                out[role] = Path(path)
+        return out
+
     def export_metrics(self) -> dict[str, float]:
         return {
             k: float(v)
@@ -252,6 +268,7 @@ class AlignModule(L.LightningModule):
             metrics=metrics,
             state_dict=state_dict,
             lora_export=self.lora.export if self.lora is not None else "merged",
+            source=model_source(self.export_model()),
         )
 
     def configure_adamw(self, params, optim: Optim | None = None):

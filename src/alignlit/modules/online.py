@@ -21,12 +21,14 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from alignlit.data.sampler import data_parallel_rank
-from alignlit.models.loading import check_dtype
+from alignlit.hub import is_repo_id, resolve_model
+from alignlit.models.loading import check_dtype, model_source
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite, load_policy_and_reference
@@ -202,8 +204,13 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
                 f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}) leaves no room for a "
                 f"prompt in the policy's {limit} positions (max_position_embeddings)"
             )
-        self._policy_dir = None if isinstance(policy, TinyLlama) else str(policy)
-        self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else str(policy)
+        # the local directory the policy was loaded from (a hub id's snapshot): what the rollout engines and
+        # the async worker process reload it from, and where the ptx data's tokenizer is read
+        source = model_source(self.policy)
+        self._policy_dir = source["dir"] if source is not None else None
+        self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else self._policy_dir
+        if isinstance(reward, str) and is_repo_id(reward) and not Path(reward).exists():
+            reward = str(resolve_model(reward, what="reward model"))  # a reward model by hub id
         self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=frozen_dtype)
         model = getattr(self.reward, "model", None)
         # registered as a submodule so it follows the module's device; left out of checkpoints

@@ -11,7 +11,7 @@ from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits, resolve_model_path
+from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
@@ -66,7 +66,7 @@ class PairwisePrefModule(AlignModule):
         if isinstance(policy, TinyLlama):
             self.policy, self.tokenizer = load_policy(policy)
         else:
-            self.policy, self.tokenizer = load_policy(resolve_model_path(policy), dtype=dtype)
+            self.policy, self.tokenizer = load_policy(policy, dtype=dtype)  # a directory, hub id or package:
         self.format = ab_format or ABFormat()
         self.answer_ids = self.format.token_ids(self.tokenizer)
         limit = getattr(self.policy.config, "max_position_embeddings", None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -19,7 +18,7 @@ from alignlit.checks import resolve_registered
 from alignlit.eval.plots import PPO_PANELS
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.models.forward import response_token_logprobs, response_values
-from alignlit.models.loading import load_scalar_model
+from alignlit.models.loading import load_scalar_model, model_source
 from alignlit.models.modes import disable_dropout, eval_mode
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import Optim, check_finite
@@ -118,9 +117,10 @@ class PPOModule(OnlineModule):
         self.estimator = resolve_registered(advantage, TOKEN_ADVANTAGE_ESTIMATORS, "advantage estimator")
         super().__init__(policy, reward, kl=kl, **kwargs)
         self.critic_optim = critic_optim
-        reward_dir = (
-            reward if isinstance(reward, str) and Path(reward).is_dir() else None
-        )  # not a dotted path
+        # a reward model given by directory or hub id (not a dotted path, not package:): its directory
+        given = isinstance(reward, str) and not reward.startswith("package:")
+        reward_source = model_source(self.reward_model) if given else None
+        reward_dir = reward_source["dir"] if reward_source is not None else None
         critic_dir = critic or reward_dir or self._policy_dir
         if critic_dir is None:
             raise ValueError(

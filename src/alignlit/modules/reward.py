@@ -15,9 +15,9 @@ from alignlit.data.preference import PreferenceBatch
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
-from alignlit.models.loading import last_token_index, load_scalar_model
+from alignlit.models.loading import last_token_index, load_scalar_model, model_source
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import REWARD_FORMAT_KEY, end_with_eos, resolve_model_path, reward_format
+from alignlit.models.reward import REWARD_FORMAT_KEY, end_with_eos, reward_format
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,8 @@ class RewardModule(AlignModule):
     ):
         super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         self.save_hyperparameters()
-        path = str(resolve_model_path(model))
-        self.rm, self.tokenizer = load_scalar_model(path, dtype=dtype)
+        self.rm, self.tokenizer = load_scalar_model(model, dtype=dtype)  # a directory, hub id or package:
+        path = model_source(self.rm)["dir"]
         self.lm_head: nn.Linear | None = None
         if lm_weight > 0:
             if not self.rm.per_token:
