@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ def test_recipe_and_overlays_parse(pair):
     assert fsdp.config.trainer.devices == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", RECIPE_PAIRS, ids=_id)
 def test_recipe_smoke_runs_offline_from_the_hub_cache(pair, hub_cache, tmp_path):
     recipe, smoke = pair
@@ -89,6 +91,11 @@ def test_recipe_smoke_runs_offline_from_the_hub_cache(pair, hub_cache, tmp_path)
     cfg = ParseOnly(args=["--config", str(recipe), "--config", str(smoke)], run=False).config
     export = ROOT / cfg.model.init_args.export_dir
     assert export.is_relative_to(out)
+    checkpoints = [ROOT / c.init_args.dirpath for c in cfg.trainer.callbacks if "dirpath" in c.init_args]
+    logs = ROOT / cfg.trainer.logger.init_args.save_dir / cfg.trainer.logger.init_args.name
+    for path in [export, logs, *checkpoints]:  # a rerun starts clean (the smoke's own folders only)
+        assert path.is_relative_to(out)
+        shutil.rmtree(path, ignore_errors=True)
     env = hub_env(
         hub_cache, {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "HF_DATASETS_OFFLINE": "1"}
     )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from alignlit.hub import Pretrained, resolve_model
 from alignlit.losses.preference_registry import ReferenceLogps
 from alignlit.models.forward import token_logprobs
 from alignlit.models.modes import eval_mode
@@ -50,6 +51,8 @@ def _dir_digest(path: Path) -> dict[str, str]:
 
 
 def _path_fingerprint(value: Any) -> Any:
+    if isinstance(value, dict):  # a dataset spec: its local data files by content
+        return {k: _path_fingerprint(v) for k, v in sorted(value.items())}
     if isinstance(value, str) and value:
         p = Path(value)
         if p.is_file():
@@ -67,12 +70,14 @@ def _state_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def reference_fingerprint(reference: str | Path | nn.Module, *, datamodule, tokenizer, dtype: str) -> dict:
+def reference_fingerprint(
+    reference: str | Path | Pretrained | nn.Module, *, datamodule, tokenizer, dtype: str
+) -> dict:
     """What cached reference log-probs depend on.
 
     Args:
-        reference: the reference model's directory (its files are hashed) or the model itself (its
-            weights are hashed).
+        reference: the reference model's directory or hub id (the files of its directory or cached
+            snapshot are hashed) or the model itself (its weights are hashed).
         datamodule: the preference DataModule; its class and settings enter, data files by content,
             loader-only settings (batch sizes, workers) left out.
         tokenizer: its serialised form and EOS id enter.
@@ -81,9 +86,8 @@ def reference_fingerprint(reference: str | Path | nn.Module, *, datamodule, toke
     if isinstance(reference, nn.Module):
         weights = {"initial_state": _state_digest(reference)}
     else:
-        if not Path(reference).is_dir():
-            raise FileNotFoundError(f"reference model directory {str(reference)!r} does not exist")
-        weights = {"dir": _dir_digest(Path(reference))}
+        path = resolve_model(reference, what="reference model")  # a hub id: its cached snapshot
+        weights = {"dir": _dir_digest(path)}
     data = {
         k: _path_fingerprint(v)
         for k, v in sorted(dict(datamodule.hparams).items())
@@ -102,13 +106,16 @@ def reference_fingerprint(reference: str | Path | nn.Module, *, datamodule, toke
 
 def cache_file(fingerprint: dict, *, train_file: str | None, cache_dir: str | Path | None = None) -> Path:
     """Where the cache of ``fingerprint`` lives: ``cache_dir`` (default ``.alignlit_cache/`` next to
-    ``train_file``) / ``ref_logps-<train file name>-<key>.pt``."""
+    ``train_file``; without one, ``$ALIGNLIT_CACHE/reference_logps``, ``~/.cache/alignlit`` by default) /
+    ``ref_logps-<train file name>-<key>.pt``."""
     if cache_dir is not None:
         directory = Path(cache_dir)
     elif train_file is not None:
         directory = Path(train_file).parent / CACHE_DIRNAME
-    else:
-        raise ValueError("set reference_cache_dir: the datamodule has no train_file to cache next to")
+    else:  # a hub dataset or in-memory records: the user's cache (the fingerprint names the source)
+        directory = (
+            Path(os.environ.get("ALIGNLIT_CACHE", "~/.cache/alignlit")).expanduser() / "reference_logps"
+        )
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
     stem = Path(train_file).name if train_file else "data"
     return directory / f"ref_logps-{stem}-{key[:_KEY_CHARS]}.pt"
