@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from alignlit.data.encoding import Encoded, token_ids
 from alignlit.data.records import HH_ASSISTANT, HH_HUMAN, DataError, Record
 
@@ -69,6 +71,11 @@ class Prompt(str):
 
 def _rebuild_prompt(text, fields, source, messages) -> Prompt:
     return Prompt(text, fields=fields, source=source, messages=messages)
+
+
+# checkpoints hold prompts (an asynchronous run's batches ahead, the prompt filter's kept prompts) and are
+# read with weights_only=True
+torch.serialization.add_safe_globals([Prompt, _rebuild_prompt])
 
 
 def prompt_columns(prompts: Sequence[str]) -> dict[str, list[Any]]:
