@@ -20,7 +20,12 @@ with a few flags (:func:`vllm_serve_command`): ``--enable-scale-out`` opens vLLM
   silent off-policy rollout;
 - **failures** name the endpoint: an engine that does not answer within ``timeout_s``, answers an error or
   dies fails the rollout on every rank (the ranks agree first, so none waits forever in a collective), and
-  the run stops with its last checkpoint intact; restart the engine and resume with ``--ckpt_path``.
+  the run stops with its last checkpoint intact; restart the engine and resume with ``--ckpt_path``;
+- **answers are checked**: a token id outside the vocabulary, a log-prob that is not finite or above 0, an
+  answer that is not JSON or lacks a field is an error naming the endpoint and the sample
+  (:func:`~alignlit.rollout.endpoint.parse_generated`);
+- **a shared secret** (:mod:`alignlit.rollout.engine_auth`): every request carries it, each engine proves
+  it holds it when the client connects, and the weight group's rendezvous is keyed by it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from typing import Any
 import torch
 
 from alignlit.rollout.base import Rollout, SamplingParams
-from alignlit.rollout.endpoint import EngineError, EngineHTTP
+from alignlit.rollout.endpoint import EngineError, EngineHTTP, parse_generated
+from alignlit.rollout.engine_auth import resolve_api_key
 from alignlit.rollout.hf_worker import WeightSyncError
 from alignlit.rollout.postprocess import (
     RawSample,
@@ -85,7 +91,13 @@ class ServedVLLMEngine:
         timeout_s: longest wait for one HTTP answer or one collective step before the engine counts as hung.
         start_timeout_s: longest wait for the engines to answer ``/health`` when connecting.
         max_concurrency: most requests in flight from this rank.
-        verify: send every push's checksum (each engine compares what it received).
+        verify: must be True: every push carries the state's checksum, each engine compares what it
+            received and answers its checksum, which must equal the one pushed (the checksum is never skipped).
+        api_key: the engines' shared secret (what ``alignlit serve`` printed); None: the contents of
+            ``api_key_file``, else ``$ALIGNLIT_API_KEY``, else none (engines served with ``--insecure-no-auth``
+            on a loopback address). In a config, use ``api_key_file`` or the environment variable: a key
+            written in the config is saved with it.
+        api_key_file: a file holding the shared secret.
         seed: seeds the stream of per-call seeds used when ``sampling.seed`` is None.
         group: a gloo process group of the training ranks (None: one training process).
         rank: this process's rank in ``group`` (rank 0 pushes the weights).
@@ -109,6 +121,8 @@ class ServedVLLMEngine:
         start_timeout_s: float = 600.0,
         max_concurrency: int = 64,
         verify: bool = True,
+        api_key: str | None = None,
+        api_key_file: str | None = None,
         seed: int = 0,
         group=None,
         rank: int = 0,
@@ -120,17 +134,23 @@ class ServedVLLMEngine:
             )
         if weight_sync not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
+        if verify is not True:
+            raise ValueError(
+                f"verify must be True (got {verify!r}): every weight push is checked by its checksum, never skipped"
+            )
         require_pad_token(tokenizer)
-        self.engines = [EngineHTTP(url, timeout_s=timeout_s) for url in endpoints]
+        self._api_key = resolve_api_key(api_key, api_key_file)
+        self.engines = [EngineHTTP(url, timeout_s=timeout_s, api_key=self._api_key) for url in endpoints]
         if len({e.url for e in self.engines}) != len(self.engines):
             raise ValueError(f"rollout endpoints repeat an engine: {[e.url for e in self.engines]}")
         self.tokenizer = tokenizer
         self._eos_ids = eos_token_ids(tokenizer, model_config)
+        self.vocab_size = int(getattr(model_config, "vocab_size", None) or len(tokenizer))
+        """Token ids the engines may answer: ``[0, vocab_size)``."""
         self.weight_sync = weight_sync
         self.sync_dir, self.bucket_mb, self.address = sync_dir, bucket_mb, address
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.max_concurrency = max_concurrency
-        self.verify = verify
         self.group, self.rank = group, rank
         self.data_parallel = data_parallel
         self._seeds = random.Random(seed)
@@ -222,7 +242,7 @@ class ServedVLLMEngine:
         try:
             for engine in self.engines:
                 engine.wait_ready(self.start_timeout_s)
-                infos.append(engine.rpc("alignlit_info", what="reading its settings", timeout_s=60))
+                infos.append(engine.info())
             modes = {info["logprobs_mode"] for info in infos}
             if len(modes) != 1:
                 raise EngineError(f"the rollout engines report different logprobs modes: {modes}")
@@ -247,9 +267,9 @@ class ServedVLLMEngine:
         if self.rank == 0:
             self._pusher = (
                 CollectivePush(self.engines, bucket_mb=self.bucket_mb, address=self.address,
-                               timeout_s=self.timeout_s, verify=self.verify)
+                               timeout_s=self.timeout_s, secret=self._api_key)
                 if self.weight_sync == "collective"
-                else FilePush(self.engines, self.sync_dir, verify=self.verify)
+                else FilePush(self.engines, self.sync_dir)
             )  # fmt: skip
         self._connected = True
 
@@ -328,26 +348,21 @@ class ServedVLLMEngine:
             },
         }  # fmt: skip
 
-    def _parse(self, engine: EngineHTTP, answer: dict) -> RawSample:
-        choice = answer["choices"][0]
-        ids = [int(t) for t in choice.get("token_ids") or []]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        if len(content) != len(ids) or any(int(c["token_id"]) != t for c, t in zip(content, ids)):
-            raise EngineError(
-                f"rollout engine {engine.url} returned {len(ids)} tokens but {len(content)} log-probs"
-            )
-        stale = [span for span in choice.get("weight_versions") or [] if span["version"] != self.label]
-        if ids and (stale or not choice.get("weight_versions")):
+    def _parse(self, engine: EngineHTTP, answer: dict, sample: str = "a sample") -> RawSample:
+        ids, logps, versions, reason = parse_generated(
+            engine.url, answer, vocab_size=self.vocab_size, sample=sample
+        )
+        stale = [v for v in versions or [] if v != self.label]
+        if ids and (stale or not versions):
             raise WeightSyncError(
-                f"rollout engine {engine.url} sampled tokens with weights {[s['version'] for s in stale] or None}, "
+                f"rollout engine {engine.url} sampled tokens with weights {stale or None}, "
                 f"not the pushed {self.label!r} (restarted or updated by someone else?): the rollout would be "
                 "off-policy"
             )
-        logps = [float(c["logprob"]) for c in content]
         eos_at = next((t for t, tok in enumerate(ids) if tok in self._eos_ids), None)
         if eos_at is not None:
             ids, logps = ids[: eos_at + 1], logps[: eos_at + 1]
-        return RawSample(ids, logps, ended_early=choice.get("finish_reason") == "stop")
+        return RawSample(ids, logps, ended_early=reason == "stop")
 
     def _generate(
         self, prompts: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int,
@@ -360,11 +375,14 @@ class ServedVLLMEngine:
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**31)
         asked = self._gather_object((self.data_parallel[0], len(prompts)))
         rows = _data_parallel_rows(asked, self.data_parallel[0])
-        jobs: list[tuple[EngineHTTP, dict]] = []
+        jobs: list[tuple[EngineHTTP, dict, str]] = []
         for i, g in enumerate(rows):
             engine = self.engines[g % len(self.engines)]
             ids = prompt_ids[i, prompt_mask[i]].tolist()
-            jobs += [(engine, self._request(ids, sampling, base_seed + g * n + k)) for k in range(n)]
+            jobs += [
+                (engine, self._request(ids, sampling, base_seed + g * n + k), f"sample {k} of prompt {g}")
+                for k in range(n)
+            ]
             self.requests_per_engine[engine.url] += n
         what = f"generating {len(prompts)} prompts x {n}"
         error, samples = None, []
@@ -372,8 +390,10 @@ class ServedVLLMEngine:
         try:
             samples = self._run(
                 [
-                    lambda e=e, body=body: self._parse(e, e.call("/inference/v1/generate", body, what=what))
-                    for e, body in jobs
+                    lambda e=e, body=body, row=row: self._parse(
+                        e, e.call("/inference/v1/generate", body, what=what), row
+                    )
+                    for e, body, row in jobs
                 ]
             )
         except BaseException as err:

@@ -6,14 +6,18 @@ Importing this module registers :class:`GlooWeightTransferEngine` as vLLM's weig
 CUDA-only, so on CPU (and across machines without NCCL) the trainer's tensors arrive over a gloo group instead
 and are loaded with vLLM's own layerwise reload, exactly as its NCCL backend does. The wire format is
 :mod:`alignlit.rollout.weight_sync`'s. The extension adds two worker calls reached through vLLM's
-``/collective_rpc``: :meth:`~AlignlitWorkerExtension.alignlit_info` (what the client checks when it connects)
-and :meth:`~AlignlitWorkerExtension.alignlit_load_file` (the file fallback).
+``/collective_rpc``: :meth:`~AlignlitWorkerExtension.alignlit_info` (what the client checks when it connects,
+with the proof that this engine holds the shared secret), :meth:`~AlignlitWorkerExtension.alignlit_load_file`
+(the file fallback) and :meth:`~AlignlitWorkerExtension.alignlit_last_checksum` (the checksum of the weights
+the last collective push delivered). A push without a checksum is refused. The shared secret is
+``$ALIGNLIT_API_KEY`` of the engine's processes (``alignlit serve`` sets it).
 
 This module imports vLLM; nothing else in alignlit imports it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +28,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from alignlit.rollout.engine_auth import API_KEY_ENV, key_proof
 from alignlit.rollout.hf_worker import WeightSyncError
 from alignlit.rollout.weight_sync import WirePlan, checksum_terms, combine, open_group, receive_buckets
+
+RECEIVED: dict[str, int | None] = {"checksum": None}
+"""The checksum of what the last collective push delivered to this worker (None: none, or it failed)."""
+
+
+def _secret() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
 
 
 @dataclass
@@ -37,6 +49,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = 600.0
+    group_nonce: str = ""
 
 
 @dataclass
@@ -68,8 +81,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = open_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
-        )
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s,
+            secret=_secret(), nonce=init_info.group_nonce,
+        )  # fmt: skip
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -92,24 +106,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         plan = WirePlan(**vars(update_info))
-        terms: dict[str, float] = {}
+        RECEIVED["checksum"] = None
+        if not isinstance(plan.checksum, int) or isinstance(plan.checksum, bool):
+            for _ in receive_buckets(self.group, plan):  # keep the broadcast in step, load nothing
+                pass
+            raise WeightSyncError(f"a weight push without a checksum is refused (got {plan.checksum!r})")
+        terms: dict[str, int] = {}
         with disable_mtp_completeness_check():
             for names, tensors in receive_buckets(self.group, plan):
-                if plan.checksum is not None:
-                    terms.update(checksum_terms(names, tensors))
+                terms.update(checksum_terms(names, tensors))
                 self.model.load_weights(
                     [
                         (n, t.to(self.device) if self.device.type != "cpu" else t)
                         for n, t in zip(names, tensors)
                     ]
                 )
-        if plan.checksum is not None:
-            self.last_checksum = combine(terms)
-            if self.last_checksum != plan.checksum:
-                raise WeightSyncError(
-                    f"the engine received weights with checksum {self.last_checksum!r}, the trainer sent "
-                    f"{plan.checksum!r}"
-                )
+        self.last_checksum = combine(terms)
+        if self.last_checksum != plan.checksum:
+            raise WeightSyncError(
+                f"the engine received weights with checksum {self.last_checksum!r}, the trainer sent "
+                f"{plan.checksum!r}"
+            )
+        RECEIVED["checksum"] = self.last_checksum
 
     def shutdown(self) -> None:
         self.group = None
@@ -122,8 +140,9 @@ if "gloo" not in WeightTransferEngineFactory._registry:
 class AlignlitWorkerExtension:
     """Worker calls alignlit's client makes through ``/collective_rpc`` (mixed into vLLM's worker class)."""
 
-    def alignlit_info(self) -> dict:
-        """The engine's settings the client depends on."""
+    def alignlit_info(self, nonce: str = "") -> dict:
+        """The engine's settings the client depends on, and its proof of the shared secret for ``nonce``
+        (:func:`~alignlit.rollout.engine_auth.key_proof`; None: the engine has no key)."""
         model_config = self.vllm_config.model_config
         transfer = self.vllm_config.weight_transfer_config
         return {
@@ -133,19 +152,27 @@ class AlignlitWorkerExtension:
             "max_model_len": int(model_config.max_model_len),
             "weight_transfer": None if transfer is None else transfer.backend,
             "generation_config": str(model_config.generation_config),
+            "key_proof": key_proof(_secret(), str(nonce)),
         }
 
-    def alignlit_load_file(self, folder: str, checksum: int | None) -> dict:
-        """Load ``folder/model.safetensors`` into the model (vLLM's ``reload_weights``); checks the checksum."""
+    def alignlit_last_checksum(self) -> int | None:
+        """The checksum of the weights the last collective push delivered to this worker (None: none did)."""
+        return RECEIVED["checksum"]
+
+    def alignlit_load_file(self, folder: str, checksum: int) -> dict:
+        """Load ``folder/model.safetensors`` into the model (vLLM's ``reload_weights``) if its checksum is
+        ``checksum`` (required: None is refused); answers the checksum of what it loaded."""
         from pathlib import Path
 
         from safetensors.torch import load_file
 
         from alignlit.rollout.hf_worker import state_checksum
 
+        if not isinstance(checksum, int) or isinstance(checksum, bool):
+            raise WeightSyncError(f"loading {folder} without a checksum is refused (got {checksum!r})")
         state = load_file(str(Path(folder) / "model.safetensors"))
-        got = state_checksum(state) if checksum is not None else None
-        if got is not None and got != checksum:
+        got = state_checksum(state)
+        if got != checksum:
             raise WeightSyncError(
                 f"the engine read weights with checksum {got!r} from {folder}, expected {checksum!r}"
             )

@@ -12,18 +12,26 @@ weight-transfer HTTP routes (``/init_weight_transfer_engine``, ``/start_weight_u
    broadcasts the tensors over a ``torch.distributed`` group of its own with the engines' workers (gloo: the
    tensors travel as flat byte buffers of at most ``bucket_mb``); each worker loads every bucket as it arrives
    (vLLM's ``load_weights``, the checkpoint's names: fused projections and tensor-parallel shards are vLLM's
-   business) and compares the checksum of what it received with the one sent: a mismatch fails the update;
+   business) and compares the checksum of what it received with the one sent: a mismatch fails the update; a
+   plan without a checksum is refused; the client then reads every worker's checksum of what it received
+   (``alignlit_last_checksum``) and compares it with the one it pushed;
 4. ``/finish_weight_update`` closes the reload and labels the engine's weights with the version; vLLM stamps
    every sampled token with the label of the weights that sampled it, which the client checks on every sample;
 5. the prefix cache is reset (no KV block of the old weights is reused) and generation resumes.
 
 The file fallback (:meth:`alignlit.rollout.endpoint.EngineHTTP.load_file`) writes the state as safetensors into a folder both sides see
 and has every engine load it through the same extension (checksum and label alike).
+
+The group's rendezvous store listens on the address given only (:func:`listen_store`; torch's ``TCPStore``
+alone listens on every interface), and its keys live under a prefix derived from the shared secret and a
+nonce of this connection (:func:`~alignlit.rollout.engine_auth.group_prefix`): a process without the secret
+cannot take a rank of the group.
 """
 
 from __future__ import annotations
 
 import datetime
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,9 +42,9 @@ from typing import Any
 import torch
 
 from alignlit.rollout.endpoint import EngineHTTP, run_all
+from alignlit.rollout.engine_auth import group_prefix
 from alignlit.rollout.hf_worker import WeightSyncError, state_checksum, tensor_checksum
 
-GROUP_PREFIX = "alignlit-weights"
 ALIGN = 16
 """Every tensor starts at a multiple of this many bytes in a bucket (a view of another dtype needs it)."""
 
@@ -115,7 +123,7 @@ def combine(terms: dict[str, int]) -> int:
 @dataclass
 class WirePlan:
     """What ``/update_weights`` tells the engines (JSON): names, dtypes, shapes, tensors per bucket, and the
-    checksum of the whole state (None: not checked)."""
+    checksum of the whole state (an engine refuses a plan without one)."""
 
     names: list[str]
     dtype_names: list[str]
@@ -124,7 +132,7 @@ class WirePlan:
     checksum: int | None = None
 
     @classmethod
-    def of(cls, state: dict[str, torch.Tensor], bucket_bytes: int, verify: bool = True) -> WirePlan:
+    def of(cls, state: dict[str, torch.Tensor], bucket_bytes: int) -> WirePlan:
         names = list(state)
         tensors = [state[k] for k in names]
         return cls(
@@ -132,7 +140,7 @@ class WirePlan:
             dtype_names=[dtype_name(t.dtype) for t in tensors],
             shapes=[list(t.shape) for t in tensors],
             buckets=plan_buckets(tensors, bucket_bytes),
-            checksum=state_checksum(state) if verify else None,
+            checksum=state_checksum(state),
         )
 
     def bucket_slices(self) -> Iterator[slice]:
@@ -146,15 +154,53 @@ class WirePlan:
 
 
 # ---------------------------------------------------------------------------------------------- the group
-def open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, *, store=None):
+def listen_store(address: str, world_size: int, timeout_s: float):
+    """The rendezvous store of the weight group, listening on ``address`` only, on a free port (``.port``).
+
+    ``TCPStore(address, 0, is_master=True)`` listens on every interface whatever ``address`` says; here the
+    listening socket is bound to ``address`` first and handed to the store (``master_listen_fd``), which owns
+    it from then on."""
+    import torch.distributed as dist
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except OSError as err:
+        sock.close()
+        raise WeightSyncError(f"cannot listen for the weight group on {address}: {err}") from None
+    return dist.TCPStore(
+        address, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=sock.detach(),
+    )  # fmt: skip
+
+
+def open_group(
+    address: str, port: int, rank: int, world_size: int, timeout_s: float, *, store=None,
+    secret: str | None = None, nonce: str = "",
+):  # fmt: skip
     """A gloo process group of its own (not the trainer's default group) between trainer rank 0 (rank 0,
-    which hosts the rendezvous store) and the engines' workers; returns the ``ProcessGroupGloo``."""
+    which hosts the rendezvous store) and the engines' workers; returns the ``ProcessGroupGloo``. Its keys
+    live under :func:`~alignlit.rollout.engine_auth.group_prefix` of ``secret`` and ``nonce``: members with
+    another secret never meet, and each side fails after ``timeout_s`` with :class:`WeightSyncError`."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), rank, world_size, timeout)
+    try:
+        if store is None:
+            store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+        return dist.ProcessGroupGloo(
+            dist.PrefixStore(group_prefix(secret, nonce), store), rank, world_size, timeout
+        )
+    # DistStoreError is a RuntimeError; its text names the group's keys, so it is left out
+    except (RuntimeError, OSError) as err:
+        raise WeightSyncError(
+            f"rank {rank} of {world_size} could not form the weight group at {address}:{port} within "
+            f"{timeout_s:.0f} s ({type(err).__name__}): every member must reach that address and hold the same "
+            "shared secret (ALIGNLIT_API_KEY)"
+        ) from None
 
 
 def broadcast_buckets(group, plan: WirePlan, tensors: Sequence[torch.Tensor]) -> None:
@@ -191,7 +237,10 @@ class CollectivePush:
         address: the address the engines reach this process at (default: this machine's address on the route
             to the first engine).
         timeout_s: the group's timeout (a broadcast nobody answers fails after it).
-        verify: send the state's checksum; every engine compares it with what it received.
+        secret: the shared secret (the group's rendezvous keys derive from it; None: no key, loopback only).
+
+    Every push carries the state's checksum; every engine compares it with what it received, and answers the
+    checksum it computed, which must equal the one pushed.
     """
 
     def __init__(
@@ -201,36 +250,34 @@ class CollectivePush:
         bucket_mb: float = 64.0,
         address: str | None = None,
         timeout_s: float = 600.0,
-        verify: bool = True,
+        secret: str | None = None,
     ):
         self.engines = list(engines)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.address = address or route_address(self.engines[0].host, self.engines[0].port)
         self.timeout_s = timeout_s
-        self.verify = verify
+        self._secret = secret
         self.group = None
         self.world_size = 0
 
     def connect(self) -> None:
         """Form the group: rank 0 here, then each engine's workers (``/get_world_size``) in endpoint order."""
-        import torch.distributed as dist
 
         sizes = [
             int(e.call("/get_world_size?include_dp=true", what="asking its number of workers")["world_size"])
             for e in self.engines
         ]
         self.world_size = 1 + sum(sizes)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(
-            self.address, 0, self.world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+        store = listen_store(self.address, self.world_size, self.timeout_s)
+        nonce = secrets.token_hex(16)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         result: dict[str, Any] = {}
 
         def join_here() -> None:
             result["group"] = open_group(
-                self.address, store.port, 0, self.world_size, self.timeout_s, store=store
-            )
+                self.address, store.port, 0, self.world_size, self.timeout_s, store=store,
+                secret=self._secret, nonce=nonce,
+            )  # fmt: skip
 
         calls: list[Callable[[], Any]] = [
             lambda e=e, off=off: e.call(
@@ -242,6 +289,7 @@ class CollectivePush:
                         "rank_offset": off,
                         "world_size": self.world_size,
                         "timeout_s": self.timeout_s,
+                        "group_nonce": nonce,
                     }
                 },
                 what=f"joining the weight group at {self.address}:{store.port}",
@@ -260,7 +308,7 @@ class CollectivePush:
         start = time.perf_counter()
         names = list(state)
         tensors = [state[k].detach().cpu().contiguous() for k in names]
-        plan = WirePlan.of(dict(zip(names, tensors)), self.bucket_bytes, verify=self.verify)
+        plan = WirePlan.of(dict(zip(names, tensors)), self.bucket_bytes)
         planned = time.perf_counter()
         run_all(
             [
@@ -289,6 +337,7 @@ class CollectivePush:
                 for e in self.engines
             ]
             run_all([*updates, send])
+            run_all([lambda e=e: check_received(e, plan.checksum, label) for e in self.engines])
             body = {"weight_version": label}
             run_all(
                 [
@@ -307,17 +356,27 @@ class CollectivePush:
         }
 
 
+def check_received(engine: EngineHTTP, checksum: int, label: str) -> None:
+    """Every worker of ``engine`` must answer (``alignlit_last_checksum``) the checksum of the push: else
+    :class:`WeightSyncError` naming the endpoint."""
+    got = engine.rpc_all("alignlit_last_checksum", what=f"reading the checksum of weights {label}")
+    wrong = [c for c in got if c != checksum]
+    if wrong:
+        raise WeightSyncError(
+            f"rollout engine {engine.url} received weights {label} with checksum {wrong[0]!r}, the trainer "
+            f"pushed {checksum!r}: it holds other weights than the trainer's"
+        )
+
+
 class FilePush:
     """The file fallback: rank 0 writes the state as safetensors into ``folder`` (a path every engine reads,
-    e.g. ``/dev/shm`` on one machine or a shared filesystem), and each engine loads it."""
+    e.g. ``/dev/shm`` on one machine or a shared filesystem), and each engine loads it, checks the checksum
+    and answers the checksum of what it loaded, which must equal the one pushed."""
 
-    def __init__(
-        self, engines: Sequence[EngineHTTP], folder: str | Path | None = None, *, verify: bool = True
-    ):
+    def __init__(self, engines: Sequence[EngineHTTP], folder: str | Path | None = None):
         self.engines = list(engines)
         shm = Path("/dev/shm")
         self.folder = Path(folder) if folder is not None else (shm if shm.is_dir() else Path("/tmp"))
-        self.verify = verify
 
     def push(self, state: dict[str, torch.Tensor], label: str) -> dict[str, float]:
         import shutil
@@ -331,7 +390,7 @@ class FilePush:
         try:
             # tied weights share storage, which safetensors refuses: every tensor is written on its own
             tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-            checksum = state_checksum(tensors) if self.verify else None
+            checksum = state_checksum(tensors)
             save_file(tensors, str(folder / "model.safetensors"))
             written = time.perf_counter()
             run_all([lambda e=e: e.load_file(str(folder), label, checksum) for e in self.engines])
