@@ -335,6 +335,43 @@ def test_loss_matches_policy_gradient_loss_with_tis(tiny_policy_dir, reference_d
         torch.testing.assert_close(loss_metrics[key], expected_metrics[key], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "name, args",
+    [("icepop", {"low": 0.5, "high": 2.0}), ("seq_tis", {"cap": 1.2}), ("geo_mask", {"cap": 1.1})],
+)
+def test_rollout_correction_weights_reach_the_batch(tiny_policy_dir, name, args):
+    """rollout_correction: the engine's log-probs shifted by +0.8 / -0.3 on alternating tokens; the batch's
+    IS weights are the registry function's (by hand for IcePop: e^0.8 = 2.23 > 2 masked, e^-0.3 kept) and
+    the masked/capped shares are logged."""
+    from alignlit.ops import ROLLOUT_CORRECTIONS
+
+    module = make_module(tiny_policy_dir, rollout_correction=name, rollout_correction_args=args)
+    exp = collect(module, PROMPTS[:4])
+    mask = exp.rollout.response_mask
+    shift = torch.where(torch.arange(mask.shape[1]) % 2 == 0, 0.8, -0.3).expand_as(mask) * mask
+    exp.rollout.logprobs = exp.rollout.logprobs - shift
+    batch, metrics = make_batch(module, exp.rollout, exp.rewards)
+    keep = mask.any(-1)
+    old = batch.old_logprobs
+    want = ROLLOUT_CORRECTIONS[name](old, old - shift[keep].to(old.dtype), mask[keep], **args)
+    torch.testing.assert_close(batch.is_weights, want.to(batch.is_weights.dtype), rtol=1e-5, atol=1e-6)
+    if name == "icepop":
+        hand = (torch.where(shift > 0, 0.0, torch.exp(shift)) * mask)[keep]
+        torch.testing.assert_close(batch.is_weights, hand.float(), rtol=1e-5, atol=1e-6)
+        even = (torch.arange(mask.shape[1]) % 2 == 0).expand_as(mask)[keep] & mask[keep]
+        assert metrics["rollout_correction/masked_tokens"] == pytest.approx(
+            float(even.sum() / mask[keep].sum())
+        )
+    assert "rollout_correction/masked_seqs" in metrics and "rollout_correction/weight_mean" in metrics
+
+
+def test_rollout_correction_arguments_checked(tiny_policy_dir):
+    with pytest.raises(ValueError, match=r"give tis_cap .* or rollout_correction"):
+        make_module(tiny_policy_dir, tis_cap=2.0, rollout_correction="tis")
+    with pytest.raises(ValueError, match="unknown rollout correction 'tiss'"):
+        make_module(tiny_policy_dir, rollout_correction="tiss")
+
+
 # ---------------------------------------------------------------------- DAPO
 def test_dynamic_sampling_drops_all_equal_groups(tiny_policy_dir):
     """Without refill, the copy/dedupe groups (constant reward) are dropped; sort/reverse are kept with

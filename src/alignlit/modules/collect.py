@@ -28,8 +28,8 @@ from alignlit.ops import (
     masked_mean,
     overlong_mask,
     overlong_penalty,
-    truncated_is_weights,
 )
+from alignlit.ops.rollout_correction import correction_metrics
 from alignlit.rollout.base import Experience, Rollout, select_groups
 
 
@@ -81,7 +81,7 @@ def load_experience(state: dict[str, Any]) -> tuple[Experience | None, dict[str,
 class TrajectoryBuilder:
     """Collection and trajectory building of :class:`~alignlit.modules.online.OnlineModule` (a
     LightningModule with ``rollout``, ``reward``, ``policy``, ``reference``, ``kl``/``kl_ctl``,
-    ``tis_cap``, ``overlong``, ``dynamic_sampling``, ``policy_version`` and ``refill_generator``)."""
+    ``correction``, ``overlong``, ``dynamic_sampling``, ``policy_version`` and ``refill_generator``)."""
 
     needs_logprobs: ClassVar[bool] = True
     """Whether the stage trains on the sampled tokens' old and reference log-probs (online DPO and RRHF
@@ -301,7 +301,8 @@ class TrajectoryBuilder:
         """The :class:`Trajectory` of a scored rollout and its metrics: the loss mask (without the
         responses cut at the limit under overlong filtering), the task rewards, and when the stage
         ``needs_logprobs`` the old and reference log-probs (``time/old_logp_s``, ``time/ref_logp_s``),
-        the rollout/trainer mismatch (``mismatch/*``) and truncated IS weights (``tis_cap``), ``kl/ref``
+        the rollout/trainer mismatch (``mismatch/*``) and the rollout correction's weights (``tis_cap`` /
+        ``rollout_correction``: ``rollout_correction/*``), ``kl/ref``
         (``k1`` summed over each response, averaged) and, with a ``kl`` penalty, the per-token estimate
         ``kl`` (``kl/coef``, ``kl/token``, ``kl/penalty``)."""
         rollout, device = experience.rollout, self.device
@@ -350,9 +351,12 @@ class TrajectoryBuilder:
                         metrics[f"async/mismatch_kl_s{lag}"] = float(
                             logprob_mismatch(old, behaviour, rows)["mismatch_kl"]
                         )
-            if self.tis_cap is not None:
-                traj.is_weights = truncated_is_weights(old, behaviour, action, cap=self.tis_cap)  # (N, T)
+            if self.correction is not None:  # tis_cap is the "tis" entry
+                traj.is_weights = self.correction(old, behaviour, action)  # (N, T), detached
                 metrics["mismatch/is_weight_mean"] = float(traj.is_weights[action].mean())
+                cap = self.correction.args.get("cap") if self.correction.name in ("tis", "seq_tis") else None
+                stats = correction_metrics(traj.is_weights, action, cap=cap)
+                metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
         metrics["kl/ref"] = float(((old - ref) * action).sum(-1).mean())  # k1 per response
         if self.kl is not None:
             traj.kl = kl_estimate(old, ref, self.kl.estimator) * action  # (N, T)

@@ -45,6 +45,7 @@ from alignlit.modules.online_parts import (
 from alignlit.modules.online_state import OnlineCheckpoints
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.ops import DynamicSampling, Overlong
+from alignlit.ops.rollout_correction import resolve_rollout_correction
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
@@ -80,6 +81,12 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
             rollout either way (``mismatch/*``). With asynchronous rollouts (``rollout.max_staleness``) the
             recomputed ``π_old`` is the proximal policy and the weight corrects the staleness too: AReaL's
             decoupled PPO.
+        rollout_correction: a registered rollout correction (:data:`alignlit.ops.ROLLOUT_CORRECTIONS`:
+            ``"tis"``, ``"seq_tis"``, ``"geo_mask"``, ``"icepop"``) weighting each token's policy loss for
+            the rollout/trainer mismatch, with ``rollout_correction_args`` (``{cap: 2.0}``; IcePop's ``{low,
+            high}``); ``tis_cap: C`` is ``"tis"`` with ``{cap: C}``. Logged: ``rollout_correction/*`` (shares of
+            tokens and sequences masked or capped, the mean weight). None: off.
+        rollout_correction_args: the keyword arguments of ``rollout_correction``.
         old_logprobs: ``π_old``, the denominator of the policy ratio: ``"recompute"``d by the trainer (the
             default; mismatch metrics and ``tis_cap`` apply), or the engine's ``"behaviour"`` log-probs ``μ``
             (no recompute forward; verl's and prime-rl's asynchronous anchor; ``tis_cap`` does not apply).
@@ -137,6 +144,8 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         optim: Optim = Optim(lr=1e-5, min_lr_ratio=1.0),
         max_grad_norm: float | None = 1.0,
         tis_cap: float | None = None,
+        rollout_correction: str | None = None,
+        rollout_correction_args: dict[str, Any] | None = None,
         old_logprobs: Literal["recompute", "behaviour"] = "recompute",
         dynamic_sampling: DynamicSampling | None = None,
         overlong: Overlong | None = None,
@@ -161,12 +170,26 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if tis_cap is not None and tis_cap < 1:
             raise ValueError(f"tis_cap must be >= 1 or None, got {tis_cap}")
+        if tis_cap is not None and rollout_correction is not None:
+            raise ValueError(
+                f"give tis_cap ({tis_cap}) or rollout_correction ({rollout_correction!r}), not both: tis_cap C is "
+                "rollout_correction 'tis' with rollout_correction_args {cap: C}"
+            )
+        if rollout_correction_args is not None and rollout_correction is None:
+            raise ValueError("rollout_correction_args given without rollout_correction (a registered name)")
+        if tis_cap is not None:
+            rollout_correction, rollout_correction_args = "tis", {"cap": tis_cap}
+        self.correction = (
+            resolve_rollout_correction(rollout_correction, rollout_correction_args)
+            if rollout_correction
+            else None
+        )
         if old_logprobs not in ("recompute", "behaviour") or (
-            old_logprobs == "behaviour" and tis_cap is not None
+            old_logprobs == "behaviour" and self.correction is not None
         ):
             raise ValueError(
-                f"old_logprobs must be 'recompute' or 'behaviour' (then without tis_cap: π_old is μ), got "
-                f"{old_logprobs!r} with tis_cap {tis_cap}"
+                f"old_logprobs must be 'recompute' or 'behaviour' (then without tis_cap or rollout_correction: "
+                f"π_old is μ), got {old_logprobs!r} with rollout correction {rollout_correction!r}"
             )
         if reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")

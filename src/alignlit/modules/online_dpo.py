@@ -136,8 +136,10 @@ class OnlineDPOModule(OnlineModule):
             offline_pairs is None or offline_pairs_per_iteration < 1
         ):
             raise ValueError("offline_pairs_per_iteration must be >= 1 and needs offline_pairs")
-        if kwargs.get("tis_cap") is not None:
-            raise ValueError("tis_cap weights policy-gradient token losses; online DPO has none")
+        if kwargs.get("tis_cap") is not None or kwargs.get("rollout_correction") is not None:
+            raise ValueError(
+                "tis_cap / rollout_correction weight policy-gradient token losses; online DPO has none"
+            )
         if kwargs.get("lora") is not None and reference_update == "last_iterate":
             raise ValueError(
                 "reference_update 'last_iterate' copies the policy's weights into a reference model of its "

@@ -111,8 +111,10 @@ class OnlineRRHFModule(OnlineModule):
     ):
         if not (rank_weight >= 0 and sft_weight >= 0):
             raise ValueError(f"rank_weight and sft_weight must be >= 0, got {rank_weight}, {sft_weight}")
-        if kwargs.get("tis_cap") is not None:
-            raise ValueError("tis_cap weights policy-gradient token losses; RRHF has none")
+        if kwargs.get("tis_cap") is not None or kwargs.get("rollout_correction") is not None:
+            raise ValueError(
+                "tis_cap / rollout_correction weight policy-gradient token losses; RRHF has none"
+            )
         super().__init__(policy, reward, minibatches=minibatches, **kwargs)
         if self.rollout.samples_per_prompt < 2 and not extra_responses:
             raise ValueError(

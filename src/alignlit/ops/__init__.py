@@ -30,6 +30,12 @@ from alignlit.ops.rewards import (
     length_reward_correlation,
     normalize_scores,
 )
+from alignlit.ops.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    correction_metrics,
+    register_rollout_correction,
+    resolve_rollout_correction,
+)
 from alignlit.ops.stats import (
     AllReduce,
     RunningMoments,
@@ -45,6 +51,7 @@ from alignlit.ops.token_advantages import reinforce_pp_returns, token_advantages
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
     "TOKEN_ADVANTAGE_ESTIMATORS",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -58,6 +65,7 @@ __all__ = [
     "TokenAdvantageEstimator",
     "check_ndim",
     "check_same_shape",
+    "correction_metrics",
     "entropy_from_logits",
     "explained_variance",
     "gae",
@@ -79,8 +87,10 @@ __all__ = [
     "overlong_mask",
     "overlong_penalty",
     "register_advantage",
+    "register_rollout_correction",
     "register_token_advantage",
     "reinforce_pp_returns",
+    "resolve_rollout_correction",
     "sequence_logprobs",
     "token_advantages",
     "truncated_is_weights",
