@@ -311,3 +311,31 @@ def test_loss_objects_are_bound_as_they_are():
         preference_loss(ScaledSLiC(), {"beta": 0.1})
     with pytest.raises(TypeError, match="loss_type must be a name or a callable loss object, got int"):
         preference_loss(3)
+
+
+def test_orpo_by_hand():
+    """λ = 0.5. Pair 1: ℓ̄_w = -2/2 = -1, ℓ̄_l = -2/1 = -2; logodds = ℓ̄ - log(1 - e^ℓ̄):
+    -1 - ln(1 - e^-1) = -0.5413249, -2 - ln(1 - e^-2) = -1.8545865, ratio 1.3132617,
+    -log σ(1.3132617) = ln(1 + e^-1.3132617) = 0.2381830. Pair 2 (chosen worse): ℓ̄_w = -3, ℓ̄_l = -0.5:
+    -3 - ln(1 - e^-3) = -2.9489313, -0.5 - ln(1 - e^-0.5) = 0.4327521, ratio -3.3816829,
+    softplus(3.3816829) = 3.4151082. Loss 0.5·(0.2381830 + 3.4151082)/2."""
+
+    def logodds(m):
+        return m - math.log(1 - math.exp(m))
+
+    p = pair([[-1.0, -1.0], [-3.0]], [[-2.0], [-0.5, -0.5]])
+    loss, metrics = preference_loss("orpo", {"beta": 0.5})(p, None)
+    r1 = logodds(-1.0) - logodds(-2.0)
+    r2 = logodds(-3.0) - logodds(-0.5)
+    assert r1 == pytest.approx(1.3132617, abs=1e-6) and r2 == pytest.approx(-3.3816829, abs=1e-6)
+    want = 0.5 * (softplus(-r1) + softplus(-r2)) / 2
+    assert loss.item() == pytest.approx(want, abs=1e-9)
+    assert softplus(-r1) == pytest.approx(0.2381830, abs=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.5 * (-1.0 + -3.0) / 2)
+    assert metrics["rewards/accuracy"].item() == pytest.approx(0.5)
+    assert metrics["orpo/log_odds_ratio"].item() == pytest.approx((r1 + r2) / 2)
+    assert not PREFERENCE_LOSSES["orpo"].needs_reference
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        preference_loss("orpo", {"beta": 0.0})
+    certain = pair([[0.0]], [[-1.0]])  # a chosen response of probability 1: clamped, finite
+    assert torch.isfinite(preference_loss("orpo", {"beta": 1.0})(certain, None)[0])

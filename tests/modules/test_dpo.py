@@ -151,7 +151,7 @@ def test_bad_settings_are_named():
     """Every bad setting fails at construction (before any model is loaded), naming the setting."""
     with pytest.raises(
         ValueError,
-        match=r"loss_type 'kto' is not a registered preference loss \(one of \['dpo', 'hinge', 'ipo', 'simpo', 'slic'",
+        match=r"loss_type 'kto' is not a registered preference loss \(one of \['dpo', 'hinge', 'ipo', 'orpo', 'simpo', 'slic'",
     ):
         DPOModule("unused", loss_type="kto")
     with pytest.raises(
@@ -488,10 +488,10 @@ def test_cache_dir_is_configurable_and_foreign_files_are_kept(tmp_path, tiny_pol
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cdpo", "ipo", "simpo"])
+@pytest.mark.parametrize("name", ["cdpo", "ipo", "simpo", "orpo"])
 def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
-    """configs/quickstart/{cdpo,ipo,simpo}.yaml run 2 steps through the command line on a tiny policy and
-    export a policy; SimPO writes no reference cache."""
+    """configs/quickstart/{cdpo,ipo,simpo,orpo}.yaml run 2 steps through the command line on a tiny policy
+    and export a policy; the reference-free SimPO and ORPO write no reference cache."""
     from alignlit.cli import main
 
     data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
@@ -517,7 +517,7 @@ def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
         "c"
     )
     assert math.isfinite(meta["metrics"]["val/loss"])
-    assert (tmp_path / "data" / ".alignlit_cache").exists() == (name != "simpo")
+    assert (tmp_path / "data" / ".alignlit_cache").exists() == (name not in ("simpo", "orpo"))
 
 
 class _Killed(Exception):

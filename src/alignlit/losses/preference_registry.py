@@ -382,6 +382,32 @@ def simpo(
     )
 
 
+@register_preference_loss("orpo", needs_reference=False)
+def orpo(policy: PairLogps, reference: None, *, beta: float = 0.1) -> tuple[torch.Tensor, Metrics]:
+    """ORPO's odds-ratio term ``β · mean(-log σ(logodds_w - logodds_l))`` (Hong et al. 2024),
+    reference-free, with ``logodds(y) = ℓ̄ - log(1 - exp(ℓ̄))`` and ``ℓ̄ = ℓ/|y|`` the mean per-token
+    log-prob of the response. ORPO trains it with the chosen responses' NLL at weight 1: the stage's SFT
+    term (``sft_weight: 1.0``), as the configs set it.
+
+    ``log(1 - exp(ℓ̄))`` is computed as ``log(-expm1(ℓ̄))``; a response of probability 1 (``ℓ̄ = 0``)
+    would have infinite odds, so ``ℓ̄`` is clamped to ``-1e-6`` first. Rewards reported are ``β·ℓ̄``.
+    """
+    _check_positive(beta=beta)
+    chosen_mean = policy.chosen_mean.clamp(max=-1e-6)  # (B,)
+    rejected_mean = policy.rejected_mean.clamp(max=-1e-6)  # (B,)
+
+    def log_odds(mean: torch.Tensor) -> torch.Tensor:
+        return mean - torch.log(-torch.expm1(mean))
+
+    ratio = log_odds(chosen_mean) - log_odds(rejected_mean)  # (B,)
+    loss = beta * F.softplus(-ratio).mean()
+    metrics = reward_metrics(
+        loss, beta * chosen_mean, beta * rejected_mean, policy.chosen_sum, policy.rejected_sum
+    )
+    metrics["orpo/log_odds_ratio"] = ratio.detach().mean()
+    return loss, metrics
+
+
 @register_preference_loss("slic", needs_reference=False)
 def slic(policy: PairLogps, reference: None, *, delta: float = 1.0) -> tuple[torch.Tensor, Metrics]:
     """SLiC-HF calibration loss ``max(0, δ - ℓ_w + ℓ_l)`` (SLiC-HF; algorithms.md §9), reference-free.
