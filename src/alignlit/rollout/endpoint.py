@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from alignlit.rollout.engine_auth import API_KEY_ENV, MIDDLEWARE, is_loopback, key_proof, new_api_key
+from alignlit.rollout.engine_auth import API_KEY_ENV, MIDDLEWARE, Secret, is_loopback, key_proof, new_api_key
 from alignlit.rollout.hf_worker import WeightSyncError
 
 WORKER_EXTENSION = "alignlit.rollout.vllm_worker.AlignlitWorkerExtension"
@@ -123,7 +123,7 @@ class EngineHTTP:
             url = "http://" + url
         self.url = url
         self.timeout_s = timeout_s
-        self._api_key = api_key
+        self._api_key = None if api_key is None else Secret(api_key)
         parsed = urllib.parse.urlparse(url)
         self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
 

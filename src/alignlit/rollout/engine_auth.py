@@ -34,6 +34,13 @@ MIN_KEY_CHARS = 16
 _KEY = re.compile(r"[!-~]+")  # visible ASCII: it travels in an HTTP header
 
 
+class Secret(str):
+    """A key that does not show itself in ``repr`` (tracebacks, ``vars()``, logged objects)."""
+
+    def __repr__(self) -> str:
+        return "<secret>"
+
+
 def new_api_key() -> str:
     """A fresh random key (256 bits, URL-safe)."""
     return secrets.token_urlsafe(32)
@@ -51,7 +58,7 @@ def check_api_key(key: str, source: str) -> str:
             f"the API key from {source} has {len(key)} characters, fewer than {MIN_KEY_CHARS}: use a random one, "
             "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
         )
-    return key
+    return Secret(key)
 
 
 def read_api_key_file(path: str | Path) -> str:
