@@ -27,6 +27,7 @@ import torch
 from alignlit.models import export_pretrained, train_bpe_tokenizer
 from alignlit.rollout import SamplingParams, check_parity
 from alignlit.rollout.endpoint import EngineProcess
+from alignlit.rollout.engine_auth import new_api_key
 from alignlit.rollout.server import ServedVLLMEngine
 
 
@@ -79,9 +80,10 @@ def main() -> None:
 
     cores = max(1, os.cpu_count() or 1)
     start = time.perf_counter()
+    key = new_api_key()  # the engines' shared secret
     engines = [
         EngineProcess(work / "policy", _free_port(), extra=["--max-model-len", "512"], log=work / f"engine-{k}.log",
-                      env={"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "VLLM_LOGGING_LEVEL": "WARNING"})
+                      api_key=key, env={"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "VLLM_LOGGING_LEVEL": "WARNING"})
         for k in range(args.engines)
     ]  # fmt: skip
     try:
@@ -91,9 +93,9 @@ def main() -> None:
         results = []
         moved = {k: v + 0.01 for k, v in model.state_dict().items()}
         for mode in ("collective", "file"):
-            for verify in (True, False):
+            for verify in (True,):  # the checksum can no longer be turned off (issue 36)
                 client = ServedVLLMEngine([e.url for e in engines], tokenizer, model_config=model.config,
-                                          weight_sync=mode, bucket_mb=args.bucket_mb, verify=verify)  # fmt: skip
+                                          weight_sync=mode, bucket_mb=args.bucket_mb, api_key=key)  # fmt: skip
                 client.load_weights(0, moved)  # warm-up (and, collective: forming the group)
                 first = dict(client.last_push)
                 totals, parts = [], []

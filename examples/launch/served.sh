@@ -9,6 +9,8 @@
 # 2. waits until every engine answers /health (an engine that exits first fails the script, naming its log);
 # 3. runs `alignlit fit --config CONFIG --trainer.devices TRAINERS` with rollout.endpoints set to the engines;
 # 4. stops the engines whatever happened (also on Ctrl-C), and exits with alignlit fit's status.
+# Engines and trainers share one API key (every engine route but /health needs it): ALIGNLIT_API_KEY if set,
+# else a fresh random one, exported to the engines and the trainers and never printed.
 # A run stopped by a failed engine resumes from its last checkpoint: run the script again with
 # `--ckpt_path out/quickstart/checkpoints/<name>/last.ckpt`.
 #
@@ -32,6 +34,10 @@ PYTHON="${PYTHON:-python}"
 [ -f "$POLICY/config.json" ] || { echo "served.sh: $POLICY is not an exported model directory (no config.json)" >&2; exit 2; }
 [ -f "$CONFIG" ] || { echo "served.sh: no config $CONFIG" >&2; exit 2; }
 mkdir -p "$LOGS"
+if [ -z "${ALIGNLIT_API_KEY:-}" ]; then
+    ALIGNLIT_API_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))')
+fi
+export ALIGNLIT_API_KEY  # alignlit serve and alignlit fit read it
 cores=$(nproc)
 pids=()
 urls=()

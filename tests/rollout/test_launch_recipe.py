@@ -18,6 +18,7 @@ from tests.conftest import TINY
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY = "launch-recipe-test-key-0123456789"
 PROMPTS = [
     f"\n\nHuman: sort {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:" for i in range(8)
 ]
@@ -58,7 +59,8 @@ def test_the_single_machine_recipe_trains_on_two_served_engines_and_stops_them(t
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     port = _free_port_pair()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POLICY": str(policy), "PORT": str(port), "OMP_NUM_THREADS": "1",
-           "LOGS": str(tmp_path / "logs"), "ENGINE_ARGS": "--max-model-len 256", "VLLM_LOGGING_LEVEL": "WARNING"}  # fmt: skip
+           "LOGS": str(tmp_path / "logs"), "ENGINE_ARGS": "--max-model-len 256", "VLLM_LOGGING_LEVEL": "WARNING",
+           "ALIGNLIT_API_KEY": KEY}  # fmt: skip
     export = tmp_path / "export"
     res = subprocess.run(
         ["bash", str(ROOT / "examples/launch/served.sh"), str(ROOT / "configs/quickstart/grpo-served.yaml"),
@@ -73,6 +75,8 @@ def test_the_single_machine_recipe_trains_on_two_served_engines_and_stops_them(t
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    logs = "".join(f.read_text(errors="replace") for f in (tmp_path / "logs").glob("*.log"))
+    assert KEY not in res.stdout + res.stderr + logs  # the engines and the trainers hold it, nobody prints it
     assert res.stdout.count("ready") == 2, res.stdout
     assert "policy_gradient: 2 rollout(s) trained, 0" in res.stdout, res.stdout[-3000:]
     from safetensors.torch import load_file

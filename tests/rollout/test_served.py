@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from tests.conftest import TINY
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
+KEY = secrets.token_urlsafe(32)
+"""The engines' shared secret (alignlit serve's API key); the trainers get it in ALIGNLIT_API_KEY."""
 PROMPTS = [
     "\n\nHuman: sort a b c\n\nAssistant:",
     "\n\nHuman: copy d\n\nAssistant:",
@@ -63,7 +66,7 @@ def engines(work, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engine-logs")
     procs = [
         EngineProcess(
-            work / "policy", _free_port(), extra=["--max-model-len", "256"], log=logs / f"engine-{k}.log",
+            work / "policy", _free_port(), extra=["--max-model-len", "256"], log=logs / f"engine-{k}.log", api_key=KEY,
             env={"VLLM_CPU_OMP_THREADS_BIND": str(k % max(1, os.cpu_count() or 1)), "VLLM_LOGGING_LEVEL": "WARNING"},
         )
         for k in range(2)
@@ -106,13 +109,15 @@ def in_process(work, tokenizer):
 
 
 def _client(engines, tokenizer, policy, **kwargs) -> ServedVLLMEngine:
-    return ServedVLLMEngine([e.url for e in engines], tokenizer, model_config=policy.config, **kwargs)
+    return ServedVLLMEngine(
+        [e.url for e in engines], tokenizer, model_config=policy.config, api_key=KEY, **kwargs
+    )
 
 
 def _digests(url: str) -> dict[str, str]:
-    return EngineHTTP(url).call("/weight_checker", {"action": "checksum"}, what="reading digests")[
-        "checksums"
-    ]
+    return EngineHTTP(url, api_key=KEY).call(
+        "/weight_checker", {"action": "checksum"}, what="reading digests"
+    )["checksums"]
 
 
 def _in_process_digests(engine, state) -> dict[str, str]:
@@ -127,7 +132,11 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, seed=11)
 def test_served_samples_equal_the_in_process_engine(engines, tokenizer, policy, trained, in_process):
     client = _client(engines[:1], tokenizer, policy)
     client.sync(trained, version=1)
-    assert EngineHTTP(engines[0].url).weight_version() == client.label == f"alignlit-{client.run_tag}-v1"
+    assert (
+        EngineHTTP(engines[0].url, api_key=KEY).weight_version()
+        == client.label
+        == f"alignlit-{client.run_tag}-v1"
+    )
     served = client.generate(PROMPTS, 2, SAMPLING)
     in_process.sync(trained)
     local = in_process.generate(PROMPTS, 2, SAMPLING)
@@ -193,7 +202,7 @@ def test_file_fallback_gives_the_engines_the_same_weights(
     client.sync(trained, version=7)
     expected = _in_process_digests(in_process, {k: v.clone() for k, v in trained.state_dict().items()})
     for engine in engines:
-        assert EngineHTTP(engine.url).weight_version() == client.label
+        assert EngineHTTP(engine.url, api_key=KEY).weight_version() == client.label
         assert _digests(engine.url) == expected
     assert not list(tmp_path.iterdir())  # the file is removed once loaded
     r = client.generate(PROMPTS, 1, SAMPLING)
@@ -202,7 +211,7 @@ def test_file_fallback_gives_the_engines_the_same_weights(
 
 def test_the_openai_api_is_served(engines, work):
     """An OpenAI client (e.g. an environment library) can drive the same engine."""
-    http = EngineHTTP(engines[0].url)
+    http = EngineHTTP(engines[0].url, api_key=KEY)
     body = {"model": str(work / "policy"), "prompt": PROMPTS[0], "max_tokens": 4, "logprobs": 1, "seed": 0}
     answer = http.call("/v1/completions", body, what="completing")
     choice = answer["choices"][0]
@@ -216,7 +225,7 @@ def test_a_version_the_trainer_did_not_push_is_an_error(engines, tokenizer, poli
     client = _client(engines, tokenizer, policy)
     client.sync(trained, version=9)
     client.generate(PROMPTS, 1, SAMPLING)
-    EngineHTTP(engines[1].url).call(
+    EngineHTTP(engines[1].url, api_key=KEY).call(
         "/update_weight_version", {"new_version": "someone-else"}, what="relabelling"
     )
     with pytest.raises(
@@ -232,7 +241,7 @@ def _fit(work: Path, strategy: str, out: Path, endpoints: list[str], **env) -> s
     from tests.distributed import multiproc_fit
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ALIGNLIT_TEST_ENDPOINTS": ",".join(endpoints),
-           **env}  # fmt: skip
+           "ALIGNLIT_API_KEY": KEY, **env}  # fmt: skip
     return subprocess.run(
         [sys.executable, multiproc_fit.__file__, str(work), strategy, str(out), "grpo_served"],
         cwd=out.parent, env=env, capture_output=True, text=True, timeout=1500,
