@@ -21,6 +21,7 @@ from alignlit.data.records import (
 from alignlit.data.sampler import ResumableDataLoader, ResumableSampler, make_loader
 from alignlit.data.sft import PromptDataModule, SFTDataModule
 from alignlit.data.tokenizer import load_tokenizer
+from alignlit.data.unpaired import UnpairedBatch, UnpairedDataModule
 
 __all__ = [
     "AlignDataModule",
@@ -43,6 +44,8 @@ __all__ = [
     "ResumableSampler",
     "SFTDataModule",
     "Truncation",
+    "UnpairedBatch",
+    "UnpairedDataModule",
     "balance_lengths",
     "best_of_n_records",
     "best_worst_pairs",

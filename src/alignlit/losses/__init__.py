@@ -1,6 +1,7 @@
 """Pure loss functions: each takes tensors and returns ``(loss, metrics)`` with detached metrics."""
 
 from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_metrics, rpo_sft_term
+from alignlit.losses.kto import kto_loss, kto_reference_point
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
 from alignlit.losses.policy_gradient import (
     LOSS_AGGREGATIONS,
@@ -50,6 +51,8 @@ __all__ = [
     "entropy_bonus",
     "implicit_rewards",
     "ipo_loss",
+    "kto_loss",
+    "kto_reference_point",
     "length_decorrelation_loss",
     "masked_nll",
     "pearson_correlation",

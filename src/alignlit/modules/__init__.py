@@ -4,6 +4,7 @@
 from alignlit.models.lora import LoRA
 from alignlit.modules.base import AlignModule, Optim
 from alignlit.modules.dpo import DPOModule
+from alignlit.modules.kto import KTOModule
 from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_dpo import OnlineDPOModule
 from alignlit.modules.online_parts import KLPenalty, PtxMix, TrainedModel
@@ -20,6 +21,7 @@ __all__ = [
     "AlignModule",
     "DPOModule",
     "KLPenalty",
+    "KTOModule",
     "LengthHead",
     "LoRA",
     "Minibatches",
