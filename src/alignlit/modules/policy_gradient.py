@@ -15,6 +15,7 @@ so every rank runs as many updates as the others.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ import torch
 from alignlit.checks import resolve_registered
 from alignlit.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, policy_gradient_loss
 from alignlit.models.forward import response_token_logprobs
+from alignlit.models.loading import load_policy
 from alignlit.models.tiny import TinyLlama
+from alignlit.modules.base import frozen
 from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.trajectory import Trajectory
@@ -72,6 +75,14 @@ class PolicyGradientModule(OnlineModule):
         kl_loss_coef: ``c_KL`` of the KL-to-reference loss term (GRPO); 0: off.
         kl_loss_estimator: its per-token estimator (GRPO: ``"k3"``).
         entropy_coef: entropy bonus ``c_H``.
+        teacher: on-policy distillation: a frozen teacher (directory or hub id, same tokenizer as the policy)
+            scores each sampled token, and ``teacher_coef · (log π_T(y_t) - log π_θold(y_t))`` (the negative
+            per-token reverse KL to the teacher) is added to every token's advantage, on top of
+            ``task_coef`` times the task advantage (``task_coef: 0``: pure distillation, any group size).
+            Logged: ``distill/reverse_kl`` (per token) and ``distill/reverse_kl_seq`` (per response).
+        teacher_coef: the weight of the teacher's per-token signal.
+        task_coef: the weight of the task advantage (from ``reward``) when distilling.
+        teacher_dtype: the teacher's dtype (default: ``frozen_dtype``, else ``dtype``).
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule`.
     """
 
@@ -86,6 +97,7 @@ class PolicyGradientModule(OnlineModule):
         ("policy/clip_frac_high", "clip fraction (high)"),
         ("policy/clip_frac_low", "clip fraction (low)"),
         ("mismatch/abs_mean", "rollout/trainer |Δ log p|"),
+        ("distill/reverse_kl", "reverse KL to the teacher (per token)"),
         ("val/gold", "held-out gold reward"),
         ("time/rollout_s", "rollout time (s)"),
         ("time/train_s", "train time (s)"),
@@ -107,6 +119,10 @@ class PolicyGradientModule(OnlineModule):
         kl_loss_coef: float = 0.0,
         kl_loss_estimator: KLKind = "k3",
         entropy_coef: float = 0.0,
+        teacher: str | None = None,
+        teacher_coef: float = 1.0,
+        task_coef: float = 1.0,
+        teacher_dtype: str | None = None,
         **kwargs,
     ):
         self.estimator = resolve_registered(
@@ -130,8 +146,17 @@ class PolicyGradientModule(OnlineModule):
             raise ValueError(f"kl_loss_estimator must be 'k1', 'k2' or 'k3', got {kl_loss_estimator!r}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
+        if teacher is None and (teacher_coef != 1.0 or task_coef != 1.0 or teacher_dtype is not None):
+            raise ValueError(
+                "teacher_coef, task_coef and teacher_dtype weigh on-policy distillation: set a teacher"
+            )
+        if not (teacher_coef >= 0 and task_coef >= 0):
+            raise ValueError(f"teacher_coef and task_coef must be >= 0, got {teacher_coef}, {task_coef}")
         super().__init__(policy, reward, **kwargs)
-        if self.rollout.samples_per_prompt < 2 and not self.per_token:
+        self.teacher_coef, self.task_coef = float(teacher_coef), float(task_coef)
+        self.teacher = self.load_teacher(teacher, teacher_dtype) if teacher is not None else None
+        distill_only = self.teacher is not None and self.task_coef == 0
+        if self.rollout.samples_per_prompt < 2 and not self.per_token and not distill_only:
             raise ValueError(
                 f"rollout.samples_per_prompt is {self.rollout.samples_per_prompt}, but advantage {advantage!r} "
                 "compares the n >= 2 responses of a prompt (a per-token estimator such as 'reinforce_pp' "
@@ -162,17 +187,58 @@ class PolicyGradientModule(OnlineModule):
                 shaped.view(-1, trajectory.n), estimator=self.estimator, eps=self.hparams.eps,
                 all_reduce=all_reduce,
             ).flatten()  # fmt: skip
+        distill = self.distill_advantages(trajectory) if self.teacher is not None else {}
+        if self.teacher is not None:
+            task = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+            signal = (trajectory.teacher_logprobs - trajectory.old_logprobs) * mask  # (N, T)
+            advantages = (self.task_coef * task + self.teacher_coef * signal) * mask
         trajectory.advantages = advantages
         keep = mask.any(-1)  # (N,)
         if not keep.any():
             return {}
         tokens = advantages[:, None].expand_as(mask) if advantages.dim() == 1 else advantages  # (N, T)
-        return {
+        return distill | {
             "advantage/mean": float(masked_mean(tokens, mask)),
             "advantage/std": float(tokens[mask].std(unbiased=False)),
             "advantage/abs_max": float(tokens[mask].abs().max()),
             "advantage/zero_frac": float(((tokens == 0) | ~mask).all(-1)[keep].float().mean()),
         }
+
+    # ------------------------------------------------------------------ on-policy distillation
+    def load_teacher(self, teacher: str, dtype: str | None) -> torch.nn.Module:
+        """The frozen teacher (its own dtype, default the frozen models'); its tokenizer must be the policy's."""
+        model, tokenizer = load_policy(
+            teacher, dtype=dtype or self.hparams.get("frozen_dtype") or self.hparams.dtype
+        )
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                f"teacher {teacher!r} has another tokenizer than the policy {self.hparams.policy!r} ({len(tokenizer)} vs "
+                f"{len(self.tokenizer)} tokens, or the same size with other ids): on-policy distillation scores the "
+                "student's tokens under the teacher, so both must share one vocabulary"
+            )
+        return frozen(model)
+
+    @torch.no_grad()
+    def distill_advantages(self, trajectory: Trajectory) -> dict[str, float]:
+        """The teacher's per-token signal ``log π_T(y_t) - log π_θold(y_t)`` (the negative per-token reverse KL
+        on the student's samples): the teacher's log-probs go to ``trajectory.teacher_logprobs``; returns the
+        reverse-KL metrics."""
+        start = time.perf_counter()
+        teacher = self.logprobs(self.teacher, trajectory.ids)  # (N, T)
+        elapsed = time.perf_counter() - start
+        mask = trajectory.loss_mask
+        signal = (teacher - trajectory.old_logprobs) * mask  # (N, T)
+        trajectory.teacher_logprobs = teacher
+        if not mask.any():
+            return {"time/teacher_logp_s": elapsed}
+        return {
+            "distill/reverse_kl": float(masked_mean(-signal, mask)),  # per token, k1 on the student's samples
+            "distill/reverse_kl_seq": float((-signal).sum(-1)[mask.any(-1)].mean()),
+            "time/teacher_logp_s": elapsed,
+        }
+
+    def frozen_prefixes(self) -> list[str]:
+        return super().frozen_prefixes() + (["teacher."] if self.teacher is not None else [])
 
     def policy_loss(self, mb: Trajectory) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """:func:`~alignlit.losses.policy_gradient_loss` of the policy on a minibatch, plus ptx.

@@ -54,6 +54,7 @@ class Trajectory:
         token_rewards: (N, T) per-token rewards (PPO: ``-β·kl_t`` plus the sequence reward at the end).
         turn_rewards: (N, T) an environment's step rewards on the last action token of each turn
             (multi-turn episodes; part of ``scores``, whose sum over a row they make up); None otherwise.
+        teacher_logprobs: (N, T) ``log π_T`` of a distillation teacher on the sampled tokens (None without one).
     """
 
     prompts: list[str]
@@ -80,6 +81,7 @@ class Trajectory:
     returns: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
     turn_rewards: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
