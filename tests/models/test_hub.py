@@ -14,7 +14,7 @@ from huggingface_hub import snapshot_download
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignlit.cli import main as cli_main
-from alignlit.data import SFTDataModule
+from alignlit.data import PreferenceDataModule, SFTDataModule
 from alignlit.hub import ModelNotFoundError, Pretrained, RemoteCodeError
 from alignlit.models import (
     ExportDirError,
@@ -25,7 +25,8 @@ from alignlit.models import (
     read_metadata,
 )
 from alignlit.models.loading import model_source
-from alignlit.modules import DPOModule, Optim, SFTModule
+from alignlit.modules import DPOModule, Minibatches, Optim, PPOModule, SFTModule
+from alignlit.rollout import RolloutLoop, SamplingParams
 from tests.hubcache import (
     CHATML_TEMPLATE,
     DEFAULT_SYSTEM,
@@ -298,3 +299,69 @@ def test_export_around_an_input_directory_is_refused(tmp_path):
     with pytest.raises(ExportDirError, match=r"export_dir '.*runs' holds the policy directory '.*runs/sft'"):
         check_export_dir(tmp_path / "runs", inputs={"policy": inner})
     assert check_export_dir(tmp_path / "other", inputs={"policy": inner}) == tmp_path / "other"
+
+
+# ---------------------------------------------------------------------------------------- stages
+def test_dpo_by_hub_id_precomputes_its_reference_from_the_snapshot(hub_cache, tmp_path):
+    """The reference defaults to the policy (a hub id): its cached log-probs are keyed by the snapshot's files."""
+    f = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"What is {i}+1?", "chosen": f" {i + 1}", "rejected": f" {i + 7}"} for i in range(8)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module = DPOModule(policy=QWEN, optim=Optim(lr=1e-4, warmup_steps=1), export_dir=str(tmp_path / "dpo"))
+    dm = PreferenceDataModule(str(f), batch_size=4, val_fraction=0.0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, dm)
+    assert module.reference_cache_status == "miss" and module.reference_cache_path.is_file()
+    assert read_metadata(tmp_path / "dpo")["source"]["revision"] == _commit(hub_cache)
+
+
+def test_ppo_by_hub_id_with_a_reward_model_by_hub_id(hub_cache):
+    make_hub_cache(hub_cache, "OpenRLHF/tiny-rm", seed=1, head="sequence_classification")
+    module = PPOModule(
+        policy=QWEN,
+        reward="OpenRLHF/tiny-rm",
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=3)),
+        minibatches=Minibatches(size=2),
+    )
+    assert module._policy_dir == module._tokenizer_dir == str(snapshot_dir(hub_cache))
+    rm_dir = snapshot_dir(hub_cache, "OpenRLHF/tiny-rm")
+    assert model_source(module.reward_model)["dir"] == str(rm_dir)
+    assert model_source(module.critic)["dir"] == str(rm_dir)  # the critic starts from the reward model
+    module.rollout.setup(module.policy, module.tokenizer, policy_dir=module._policy_dir)
+    exp = module.rollout.collect(["What is 2+3?", "What is 4+4?"], module.reward)
+    assert exp.rollout.response_ids.shape[0] == 2 and torch.isfinite(exp.rewards).all()
+
+
+def test_alignlit_fit_with_a_pinned_pretrained_in_yaml(hub_cache, tmp_path):
+    """The user's path: `alignlit fit` in a subprocess, the model named by hub id and revision in YAML."""
+    main = _commit(hub_cache)
+    make_hub_cache(hub_cache, QWEN, seed=1, refs=("v2",))
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"""
+trainer: {{accelerator: cpu, max_steps: 1, logger: false, enable_checkpointing: false,
+           enable_progress_bar: false, default_root_dir: {tmp_path / "runs"}}}
+model:
+  class_path: alignlit.modules.SFTModule
+  init_args:
+    policy:
+      class_path: alignlit.models.Pretrained
+      init_args: {{path: {QWEN}, revision: {main}, attn_implementation: eager}}
+    optim: {{lr: 1.0e-3, warmup_steps: 1}}
+    export_dir: {tmp_path / "out"}
+data:
+  class_path: alignlit.data.SFTDataModule
+  init_args: {{train_file: {_sft_data(tmp_path)}, batch_size: 4, val_fraction: 0.0}}
+"""
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "alignlit.cli", "fit", "--config", str(config)],
+        env=hub_env(hub_cache), capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert read_metadata(tmp_path / "out")["source"] == {
+        "spec": f"{QWEN}@{main}",
+        "hub_id": QWEN,
+        "revision": main,
+    }

@@ -382,8 +382,8 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_policy_and_reference(
     module: AlignModule,
-    policy: str | TinyLlama,
-    reference: str | None,
+    policy: str | TinyLlama | Pretrained,
+    reference: str | Pretrained | None,
     *,
     copy_policy: bool,
     dtype: str,

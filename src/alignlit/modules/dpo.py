@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
+from alignlit.hub import Pretrained
 from alignlit.losses import PreferenceLoss
-from alignlit.models.loading import check_dtype, load_policy
+from alignlit.models.loading import check_dtype, load_policy, resolve_source
 from alignlit.models.lora import LoRA
 from alignlit.models.reference_cache import (
     ReferenceCache,
@@ -88,8 +89,8 @@ class DPOModule(AlignModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
-        reference: str | None = None,
+        policy: str | TinyLlama | Pretrained,
+        reference: str | Pretrained | None = None,
         loss_type: str | PreferenceLoss = "dpo",
         loss_args: dict[str, Any] | None = None,
         beta: float | None = None,
@@ -148,8 +149,10 @@ class DPOModule(AlignModule):
         datamodule = datamodule or (getattr(trainer, "datamodule", None) if trainer is not None else None)
         if datamodule is None:
             raise ValueError("precompute_reference needs a datamodule; or set precompute_reference: false")
-        weights = (
-            self.reference_model if isinstance(self.reference_source, TinyLlama) else self.reference_source
+        weights = (  # the model itself, or its local directory (a hub id's snapshot), whose files are hashed
+            self.reference_model
+            if isinstance(self.reference_source, TinyLlama)
+            else resolve_source(self.reference_source, "reference")[0]
         )
         fingerprint = reference_fingerprint(
             weights, datamodule=datamodule, tokenizer=self.tokenizer, dtype=self.frozen_dtype

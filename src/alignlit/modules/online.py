@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from alignlit.data.sampler import data_parallel_rank
-from alignlit.hub import is_repo_id, resolve_model
+from alignlit.hub import Pretrained, is_repo_id, resolve_model
 from alignlit.models.loading import check_dtype, model_source
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
@@ -135,9 +135,9 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         reward: str | Reward,
-        reference: str | None = None,
+        reference: str | Pretrained | None = None,
         rollout: RolloutLoop | None = None,
         minibatches: Minibatches = Minibatches(),
         kl: KLPenalty | None = None,

@@ -19,6 +19,7 @@ from alignlit.data.pairs_from_rm import RankedGroup, best_worst_pairs, write_jso
 from alignlit.data.preference import PairEncoder, PairExample, collate_preference
 from alignlit.data.processing import Pair
 from alignlit.data.records import read_records
+from alignlit.hub import Pretrained
 from alignlit.losses import PreferenceLoss
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import OnlineModule
@@ -103,7 +104,7 @@ class OnlineDPOModule(OnlineModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         reward: str | Reward,
         loss_type: str | PreferenceLoss = "dpo",
         loss_args: dict[str, Any] | None = None,

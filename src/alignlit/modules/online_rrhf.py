@@ -12,6 +12,7 @@ import torch
 
 from alignlit.data.encoding import Encoded, Truncation, pad_left, pad_right
 from alignlit.data.records import read_records
+from alignlit.hub import Pretrained
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.tiny import TinyLlama
@@ -99,7 +100,7 @@ class OnlineRRHFModule(OnlineModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         reward: str | Reward,
         rank_weight: float = 1.0,
         sft_weight: float = 1.0,

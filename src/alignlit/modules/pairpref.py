@@ -7,6 +7,7 @@ from torchmetrics import MeanMetric
 
 from alignlit.data.preference import PreferenceBatch
 from alignlit.data.sampler import data_parallel_rank
+from alignlit.hub import Pretrained
 from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
@@ -50,7 +51,7 @@ class PairwisePrefModule(AlignModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         ab_format: ABFormat | None = None,
         vocab_loss: bool = False,
         randomize_order: bool = True,

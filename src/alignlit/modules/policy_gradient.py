@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from alignlit.checks import resolve_registered
+from alignlit.hub import Pretrained
 from alignlit.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, policy_gradient_loss
 from alignlit.models.forward import response_token_logprobs
 from alignlit.models.loading import load_policy
@@ -105,7 +106,7 @@ class PolicyGradientModule(OnlineModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         reward: str | Reward,
         advantage: str = "grpo",
         eps: float = 1e-6,

@@ -16,6 +16,7 @@ import torch
 
 from alignlit.checks import resolve_registered
 from alignlit.eval.plots import PPO_PANELS
+from alignlit.hub import Pretrained
 from alignlit.losses.ppo import entropy_bonus, ppo_policy_loss, ppo_value_loss
 from alignlit.models.forward import response_token_logprobs, response_values
 from alignlit.models.loading import load_scalar_model, model_source
@@ -88,9 +89,9 @@ class PPOModule(OnlineModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         reward: str | Reward,
-        critic: str | None = None,
+        critic: str | Pretrained | None = None,
         critic_optim: Optim = Optim(lr=5e-5, min_lr_ratio=1.0),
         clip_eps: float = 0.2,
         value_clip_eps: float | None = 0.2,

@@ -12,6 +12,7 @@ from torch import nn
 from torchmetrics import CatMetric, MeanMetric, PearsonCorrCoef
 
 from alignlit.data.preference import PreferenceBatch
+from alignlit.hub import Pretrained
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
@@ -118,7 +119,7 @@ class RewardModule(AlignModule):
 
     def __init__(
         self,
-        model: str,
+        model: str | Pretrained,
         l2_weight: float = 0.0,
         lm_weight: float = 0.0,
         train_lm_head: bool = False,

@@ -6,6 +6,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.data.ranking import RankingBatch
+from alignlit.hub import Pretrained
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.loading import load_policy
@@ -42,7 +43,7 @@ class RRHFModule(AlignModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         rank_weight: float = 1.0,
         sft_weight: float = 1.0,
         optim: Optim = Optim(lr=1e-5, warmup_steps=10),

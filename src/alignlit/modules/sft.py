@@ -6,6 +6,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.data.encoding import LMBatch
+from alignlit.hub import Pretrained
 from alignlit.models.forward import token_nll
 from alignlit.models.loading import load_policy
 from alignlit.models.lora import LoRA
@@ -32,7 +33,7 @@ class SFTModule(AlignModule):
 
     def __init__(
         self,
-        policy: str | TinyLlama,
+        policy: str | TinyLlama | Pretrained,
         optim: Optim = Optim(lr=3e-4, warmup_steps=50),
         dtype: str = "float32",
         lora: LoRA | None = None,
