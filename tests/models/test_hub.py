@@ -365,3 +365,22 @@ data:
         "hub_id": QWEN,
         "revision": main,
     }
+
+
+def test_a_snapshot_without_safetensors_is_refused_naming_what_it_holds(hub_cache, tmp_path):
+    bin_only = tmp_path / "bin_only"
+    shutil.copytree(snapshot_dir(hub_cache), bin_only)
+    (bin_only / "model.safetensors").unlink()
+    (bin_only / "pytorch_model.bin").write_bytes(b"pickled")  # a .bin-only repo (online, never downloaded)
+    write_snapshot(hub_cache, "Old/pickled", bin_only)
+    with pytest.raises(
+        ModelNotFoundError, match=r"policy 'Old/pickled': its snapshot .* has no \*\.safetensors"
+    ):
+        load_policy("Old/pickled")
+
+
+def test_pretrained_survives_a_weights_only_checkpoint_load(tmp_path):
+    spec = Pretrained(QWEN, revision="v2", attn_implementation="sdpa")
+    torch.save({"hyper_parameters": {"policy": spec}}, tmp_path / "c.ckpt")
+    assert torch.load(tmp_path / "c.ckpt", weights_only=True)["hyper_parameters"]["policy"] == spec
+    assert str(spec) == f"{QWEN}@v2"

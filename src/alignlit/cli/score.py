@@ -35,7 +35,9 @@ from alignlit.models.reward import PositionsError, resolve_model_path
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignlit score", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--model", required=True, help="exported reward model (or pairwise preference model) directory"
+        "--model",
+        required=True,
+        help="exported reward model (or pairwise preference model) directory, or hub id org/name[@revision]",
     )
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--input", help="records to score ({prompt, response} or HH-RLHF)")

@@ -22,6 +22,7 @@ from transformers import (
 from alignlit.data.tokenizer import load_tokenizer
 from alignlit.hub import (
     PACKAGE_PREFIX,
+    ModelNotFoundError,
     Pretrained,
     check_remote_code,
     is_repo_id,
@@ -86,6 +87,11 @@ def resolve_source(
     if hint is not None:
         raise FileNotFoundError(f"{what} {text!r}: {hint}")
     p = resolve_model(text, what=what, revision=revision, trust_remote_code=trust_remote_code)
+    if snapshot_source(p) is not None and not any(p.glob("*.safetensors")):
+        raise ModelNotFoundError(
+            f"{what} {text!r}: its snapshot {p} has no *.safetensors weights (alignlit downloads weights as "
+            f"safetensors only, never pickled .bin files); holds {sorted(f.name for f in p.iterdir())}"
+        )
     check_remote_code(p, what=what, spec=text, trust_remote_code=trust_remote_code)
     options: dict = {"trust_remote_code": True} if trust_remote_code else {}
     if attn is not None:
