@@ -85,7 +85,7 @@ def test_tool_results_and_errors_are_environment_turns(tokenizer):
     assert (
         step.observation == "\n\nTool (check): wrong\n\nAssistant:" and step.reward == -0.05 and not step.done
     )
-    assert step.info == {"tool_calls": 1, "tool_errors": 0}
+    assert step.info == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
     assert "right" in env.step('{"name": "check", "arguments": {"answer": "a c d"}}').observation
     assert "3" in env.step('{"name": "add", "arguments": {"x": 1, "y": 2}}').observation
     for text, expected in [
