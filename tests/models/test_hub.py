@@ -384,3 +384,28 @@ def test_pretrained_survives_a_weights_only_checkpoint_load(tmp_path):
     torch.save({"hyper_parameters": {"policy": spec}}, tmp_path / "c.ckpt")
     assert torch.load(tmp_path / "c.ckpt", weights_only=True)["hyper_parameters"]["policy"] == spec
     assert str(spec) == f"{QWEN}@v2"
+
+
+def _digit_reward(prompts, responses):
+    return [float(sum(c.isdigit() for c in r)) for r in responses]
+
+
+def test_async_grpo_by_hub_id(hub_cache, tmp_path):
+    """max_staleness 1 with a hub-id policy; the stage's policy directory (what the vLLM engine is built
+    from, RolloutLoop.setup) is the snapshot in the cache, not the id."""
+    from alignlit.data import PromptDataModule
+    from alignlit.modules import PolicyGradientModule
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}+{i}?"}) + "\n" for i in range(8)))
+    module = PolicyGradientModule(
+        policy=QWEN, reward=_digit_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=4), samples_per_prompt=2, max_staleness=1),
+        minibatches=Minibatches(size=4),
+    )  # fmt: skip
+    assert module._policy_dir == str(snapshot_dir(hub_cache))
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, PromptDataModule(train_file=str(prompts), batch_size=2))
+    train = [h for h in module.history if "time/train_s" in h]
+    assert len(train) == 3 and [h["async/staleness_max"] for h in train] == [0, 1, 1]
