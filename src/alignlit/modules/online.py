@@ -227,8 +227,8 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
                 f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}) leaves no room for a "
                 f"prompt in the policy's {limit} positions (max_position_embeddings)"
             )
-        # the local directory the policy was loaded from (a hub id's snapshot): what the rollout engines and
-        # the async worker process reload it from, and where the ptx data's tokenizer is read
+        # the local directory the policy was loaded from (a hub id's snapshot, not the id): what the vLLM
+        # engine is built from (RolloutLoop.setup), and where the ptx data's tokenizer is read
         source = model_source(self.policy)
         self._policy_dir = source["dir"] if source is not None else None
         self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else self._policy_dir
