@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 
+from alignlit.data.records import DataError
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule
 from alignlit.rewards.math import MathVerifyReward, gold_answer, math_verify_score
 from alignlit.rewards.reasoning_gym import (
@@ -46,7 +47,7 @@ def test_math_verify_reward():
     reward = MathVerifyReward(answers={"q1": "#### 72", "q2": "\\frac{1}{2}"})
     got = reward(["q1", "q2", "q1"], ["it is 72", "$\\boxed{0.5}$", "70"])
     assert torch.equal(got, torch.tensor([1.0, 1.0, 0.0]))
-    with pytest.raises(KeyError, match="no gold answer"):
+    with pytest.raises(DataError, match="no gold answer for prompt row 0"):
         reward(["q3"], ["1"])
 
 
