@@ -163,6 +163,29 @@ CLASS = re.compile(r"Problem with given class_path '(?P<cls>[\w.]+)':")
 UNKNOWN = re.compile(r"unrecognized arguments: --(?P<name>[\w.]+)|Option '(?P<opt>[\w.]+)' is not accepted")
 
 
+PROTOCOL = re.compile(r"Import path (?P<cls>[\w.]+) does not implement protocol (?P<proto>\w+)")
+
+
+def protocol_gaps(text: str, message: str) -> str:
+    """``text`` plus what the class lacks when it is jsonargparse's "does not implement protocol": the
+    protocol's methods it does not have, or else the signatures it must match (the protocol is found by
+    name among the ``<class '...'>`` paths of ``message``)."""
+    found = PROTOCOL.search(text)
+    if not found:
+        return text
+    paths = re.findall(r"<class '([\w.]+)'>", message)
+    proto = next((_import(p) for p in paths if p.rsplit(".", 1)[-1] == found.group("proto")), None)
+    cls = _import(found.group("cls"))
+    if proto is None or cls is None:
+        return text
+    members = [n for n, v in vars(proto).items() if not n.startswith("_") and callable(v)]
+    missing = [n for n in members if not callable(getattr(cls, n, None))]
+    if missing:
+        return f"{text}: it has no method {', '.join(missing)} (needs {', '.join(members)})"
+    wanted = "; ".join(f"{n}{inspect.signature(getattr(proto, n))}" for n in members)
+    return f"{text}: its methods must accept the protocol's arguments: {wanted}"
+
+
 def _union_message(message: str, argv: list[str]) -> str | None:
     """A (nested) "Does not validate against any of the Union subtypes" error: the path of keys and
     classes down to the first real problem, as one line."""
@@ -195,7 +218,7 @@ def _union_message(message: str, argv: list[str]) -> str | None:
             ) or f"not an argument of {classes[-1]}"
             break
         else:
-            why = text
+            why = protocol_gaps(text, message)
             break
     if not keys or why is None:
         return None

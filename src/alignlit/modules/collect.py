@@ -101,23 +101,41 @@ class TrajectoryBuilder:
     # ------------------------------------------------------------------ the prompts
     def check_positions(self, prompts: list[str], what: str) -> None:
         """Refuse, before anything is generated, prompts that leave too few of the policy's positions for
-        ``max_new_tokens`` (transformers would only warn, then index past its position table)."""
+        ``max_new_tokens`` (``rollout.max_episode_tokens`` with an environment: an episode's response side;
+        transformers would only warn, then index past its position table), naming the field that sets the
+        length and only advice that can be followed (no limit below 1)."""
         limit = getattr(self.policy.config, "max_position_embeddings", None)
         if limit is None or not prompts:
             return
-        new = max(s.max_new_tokens for s in (self.rollout.sampling, self.val_sampling) if s is not None)
+        samplings = {"rollout.sampling": self.rollout.sampling, "val_sampling": self.val_sampling}
+        name, new = max(
+            ((f"{k}.max_new_tokens", s.max_new_tokens) for k, s in samplings.items() if s is not None),
+            key=lambda item: item[1],
+        )
         if getattr(self.rollout, "environment", None) is not None:  # an episode's response side
-            new = self.rollout.max_episode_tokens
+            name, new = "rollout.max_episode_tokens", self.rollout.max_episode_tokens
         lengths = [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
         row = max(range(len(lengths)), key=lengths.__getitem__)
-        if lengths[row] + new > limit:
-            raise ValueError(
-                f"{what} prompt {row} ({prompts[row][:40]!r}...) has {lengths[row]} tokens: with max_new_tokens "
-                f"{new} a sample needs {lengths[row] + new} positions, but the policy has {limit} "
-                f"(max_position_embeddings). Set the DataModule's max_prompt_length to at most {limit - new} "
-                "(longer prompts are then truncated from the left and counted) or lower "
-                "rollout.sampling.max_new_tokens"
+        if lengths[row] + new <= limit:
+            return
+        short = name.rsplit(".", 1)[-1]
+        head = (
+            f"{what} prompt {row} ({prompts[row][:40]!r}...) has {lengths[row]} tokens: with {short} {new} "
+            f"({name}) a sample needs {lengths[row] + new} positions, but the policy has {limit} "
+            "(max_position_embeddings). "
+        )
+        fixes = []
+        if new < limit:
+            fixes.append(
+                f"set the DataModule's max_prompt_length to at most {limit - new} (longer prompts are then "
+                "truncated from the left and counted)"
             )
+        if lengths[row] < limit:
+            fixes.append(f"lower {name} to at most {limit - lengths[row]}")
+        if new >= limit:
+            head += f"{name} {new} alone needs every position the policy has. "
+        advice = " or ".join(fixes) or "shorten the prompts"
+        raise ValueError(head + advice[0].upper() + advice[1:])
 
     def prepare_prompts(self, dm) -> None:
         """At the start of fit: check the DataModule's prompts against the policy's positions

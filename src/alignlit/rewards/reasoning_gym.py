@@ -7,6 +7,11 @@ validation entries (one draw of ``size + val_size`` items with ``seed``, the fir
 reasoning-gym seeds item ``i`` with ``seed + i``, so two draws with nearby seeds would share items), the
 prompt format, and the answer check (the dataset's own ``score_answer`` on the answer extracted).
 
+A small task space draws the same question more than once: the draw's repeats are counted and printed
+(training keeps them: they are the task's distribution), and a validation question that is also a
+training question is removed from validation, counted and printed (validation measures questions not
+trained on); a validation draw left empty is refused.
+
 - :class:`ReasoningGymDataModule`: a :class:`~alignlit.data.PromptDataModule` whose prompts are the
   task's questions (no file);
 - :class:`ReasoningGymReward`: ``(prompts, responses) -> (N,)`` the scores;
@@ -27,6 +32,7 @@ from alignlit.rollout.environment import Step
 
 PROMPT_TEMPLATE = "\n\nHuman: {question}\n\nAssistant:"
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_REPORTED: set[str] = set()
 
 
 def _reasoning_gym():
@@ -79,10 +85,46 @@ class ReasoningGymTask:
         self.name, self.prompt_template = dataset, prompt_template
         self.dataset = rg.create_dataset(dataset, size=size + val_size, seed=seed, **dict(config or {}))
         self.train = [self.dataset[i] for i in range(size)]
-        self.val = [self.dataset[i] for i in range(size, size + val_size)]
+        drawn_val = [self.dataset[i] for i in range(size, size + val_size)]
+        trained = {self.prompt(entry) for entry in self.train}
+        self.val = [entry for entry in drawn_val if self.prompt(entry) not in trained]
+        self.counts = {
+            "train": size,
+            "train_unique": len(trained),
+            "val_drawn": val_size,
+            "val_in_train": val_size - len(self.val),
+            "val": len(self.val),
+            "val_unique": len({self.prompt(entry) for entry in self.val}),
+        }
+        """The draw's sizes, repeats and the validation questions removed as training questions."""
+        if val_size and not self.val:
+            raise ValueError(
+                f"ReasoningGymTask {dataset!r} (seed {seed}, config {config}): all {val_size} validation "
+                f"questions are also training questions (the task has few distinct questions: "
+                f"{len(trained)} in {size} draws); widen the dataset's config or set val_size 0"
+            )
+        self._report(seed)
         self.entries: dict[str, dict] = {}
         for entry in self.train + self.val:
             self.entries.setdefault(self.prompt(entry), entry)
+
+    def _report(self, seed: int) -> None:
+        """Print the draw's repeats and the validation questions removed (once per task and seed)."""
+        c = self.counts
+        if c["train_unique"] == c["train"] and not c["val_in_train"] and c["val_unique"] == c["val"]:
+            return
+        line = (
+            f"alignlit: reasoning-gym {self.name} (seed {seed}): {c['train']} training questions drawn, "
+            f"{c['train_unique']} distinct ({c['train'] - c['train_unique']} repeats)"
+        )
+        if c["val_drawn"]:
+            line += (
+                f"; {c['val_in_train']} of {c['val_drawn']} validation questions are training questions and "
+                f"were removed from validation, {c['val']} left ({c['val_unique']} distinct)"
+            )
+        if line not in _REPORTED:
+            _REPORTED.add(line)
+            print(line, flush=True)
 
     def prompt(self, entry: dict) -> str:
         return self.prompt_template.format(question=entry["question"])
@@ -160,4 +202,8 @@ class ReasoningGymDataModule(PromptDataModule):
         task = ReasoningGymTask(dataset, size, val_size, task_seed, config, prompt_template)
         val = [{"prompt": p} for p in task.prompts("val")] or None
         super().__init__(records=[{"prompt": p} for p in task.prompts("train")], val_records=val, **kwargs)
+        # save_hyperparameters also read this class's `dataset` (the task's name), which the base class
+        # would take for a `datasets.load_dataset` spec: the prompts are the records, the name is the task's
+        self.hparams["dataset"] = None
+        self.hparams["task_dataset"] = dataset
         self.task = task

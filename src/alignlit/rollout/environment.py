@@ -108,7 +108,8 @@ def as_step(result: Any, source: str = "environment") -> Step:
             f"{source} step returned reward {reward!r}; expected a finite number within float32's range "
             f"(|reward| <= {FLOAT32_MAX:.3g}: rewards are float32 tensors)"
         )
-    if not isinstance(done, bool) and type(done).__name__ != "bool_":  # numpy.bool_ too, never "False"
+    numpy_bool = type(done).__module__ == "numpy" and type(done).__name__ in ("bool", "bool_")
+    if not isinstance(done, bool) and not numpy_bool:  # numpy's bool too, never "False"
         raise ValueError(
             f"{source} step returned done {done!r} of type {type(done).__name__}; expected a bool "
             '(a string or a number is refused: "False" would end the episode)'

@@ -53,6 +53,7 @@ class EpisodeStats:
     turns: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
     tool_errors: list[int] = field(default_factory=list)
+    tool_timeouts: list[int] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)
     env_tokens: list[int] = field(default_factory=list)
@@ -62,12 +63,13 @@ class EpisodeStats:
 
     def metrics(self) -> dict[str, float]:
         """Means per episode: ``episode/turns``, ``episode/tool_calls``, ``episode/tool_errors``,
-        ``episode/return``, ``episode/env_tokens``, ``episode/model_tokens``; ``episode/truncated``: the fraction cut at a limit."""
+        ``episode/tool_timeouts`` (tool calls past ``tool_timeout_s``, also among the errors), ``episode/return``, ``episode/env_tokens``, ``episode/model_tokens``; ``episode/truncated``: the fraction cut at a limit."""
         count = max(len(self.turns), 1)
         return {
             "episode/turns": sum(self.turns) / count,
             "episode/tool_calls": sum(self.tool_calls) / count,
             "episode/tool_errors": sum(self.tool_errors) / count,
+            "episode/tool_timeouts": sum(self.tool_timeouts) / count,
             "episode/truncated": sum(self.truncated) / count,
             "episode/return": sum(self.returns) / count,
             "episode/env_tokens": sum(self.env_tokens) / count,
@@ -87,6 +89,7 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
     env_tokens: int = 0
     done: bool = False
     truncated: bool = False
@@ -107,6 +110,16 @@ def _reset_seed(base: int, j: int) -> int:
     return (base * RESET_SEED_STRIDE + j) % 2**31
 
 
+def engine_positions(engine) -> int | None:
+    """The positions of the model an engine samples from (``max_position_embeddings`` of its ``model``'s
+    config, or its own ``max_positions``); None when it does not say."""
+    limit = getattr(engine, "max_positions", None)
+    if limit is None:
+        config = getattr(getattr(engine, "model", None), "config", None)
+        limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
 def run_episodes(
     engine,
     tokenizer,
@@ -117,6 +130,7 @@ def run_episodes(
     *,
     max_turns: int,
     max_episode_tokens: int,
+    max_positions: int | None = None,
 ) -> tuple[Rollout, EpisodeStats]:
     """Play ``n`` episodes per prompt (see the module docstring); returns the rollout and its counts.
 
@@ -129,6 +143,9 @@ def run_episodes(
         sampling: how turns are sampled; ``max_new_tokens`` caps each turn.
         max_turns: most model turns per episode.
         max_episode_tokens: most response-side tokens (model + environment) per episode.
+        max_positions: the policy's positions (default: the engine's, :func:`engine_positions`): a first
+            observation that leaves fewer than ``max_episode_tokens`` of them is refused, naming the
+            episode and its prompt, before anything is generated.
     """
     prompts = check_prompts(prompts, n)
     if max_turns < 1 or max_episode_tokens < 1:
@@ -142,17 +159,31 @@ def run_episodes(
         )
     pad_id = require_pad_token(tokenizer)
     base = sampling.seed if sampling.seed is not None else int(torch.randint(2**31 - 1, (1,)))
+    limit = max_positions if max_positions is not None else engine_positions(engine)
+    source = type(environment).__name__
     episodes: list[_Episode] = []
     for j, prompt in enumerate(p for p in prompts for _ in range(n)):
         env = spawn(environment)
         first = env.reset(prompt, seed=_reset_seed(base, j))
         if not isinstance(first, str):
             raise ValueError(
-                f"environment reset returned {type(first).__name__}, expected the first observation (str)"
+                f"{source} reset returned {type(first).__name__}, expected the first observation (str)"
             )
         ids = tokenizer(first)["input_ids"]
         if not ids:
             raise ValueError(f"the first observation of prompt {prompt!r} encodes to no tokens")
+        if limit is not None and len(ids) + max_episode_tokens > limit:
+            raise ValueError(
+                f"{source}: the first observation of episode {j} (prompt {j // n}, {prompt[:40]!r}...) has "
+                f"{len(ids)} tokens: with max_episode_tokens {max_episode_tokens} the episode needs "
+                f"{len(ids) + max_episode_tokens} positions, but the policy has {limit} "
+                "(max_position_embeddings). Shorten the prompt or the environment's first observation, or "
+                f"lower rollout.max_episode_tokens to at most {limit - len(ids)}"
+                if len(ids) < limit
+                else f"{source}: the first observation of episode {j} (prompt {j // n}, {prompt[:40]!r}...) has "
+                f"{len(ids)} tokens, more than the policy's {limit} positions (max_position_embeddings): "
+                "shorten the prompt or the environment's first observation"
+            )
         episodes.append(_Episode(env, list(ids)))
     first_contexts = [list(e.context) for e in episodes]
 
@@ -180,10 +211,11 @@ def run_episodes(
             e.turns += 1
             e.cut = cut or out.finish_reasons[k] == "length"
             e.texts.append(text)
-            step = as_step(e.env.step(text))
+            step = as_step(e.env.step(text), source)
             e.add_reward(step.reward)
             e.tool_calls += int(step.info.get("tool_calls", 0))
             e.tool_errors += int(step.info.get("tool_errors", 0))
+            e.tool_timeouts += int(step.info.get("tool_timeouts", 0))
             if step.done:
                 e.done = True
                 continue
@@ -218,6 +250,7 @@ def run_episodes(
         stats.turns.append(e.turns)
         stats.tool_calls.append(e.tool_calls)
         stats.tool_errors.append(e.tool_errors)
+        stats.tool_timeouts.append(e.tool_timeouts)
         stats.truncated.append(e.truncated and not e.done)
         stats.returns.append(float(turn_rewards[j].sum()))
         stats.env_tokens.append(e.env_tokens)

@@ -40,7 +40,8 @@ class GymEnvironment:
         env_id: the registered id (e.g. ``"FrozenLake-v1"``) or ``module:Class`` entry point.
         env_kwargs: keyword arguments of ``gymnasium.make`` (e.g. ``{"is_slippery": false}``).
         action_names: the names of a ``Discrete`` space's actions, in order (e.g. FrozenLake's
-            ``[left, down, right, up]``); None: actions are integers.
+            ``[left, down, right, up]``), one for each action (else refused at the first reset); None:
+            actions are integers.
         first_template: the first observation, from ``{prompt}`` (the data prompt) and ``{observation}``.
         reply_template: every later observation, from ``{observation}``.
         render: show ``env.render()`` (make the environment with ``render_mode: ansi``) instead of
@@ -72,8 +73,28 @@ class GymEnvironment:
             return shown if isinstance(shown, str) else str(shown)
         return str(observation)
 
+    def _check_action_names(self) -> None:
+        """``action_names`` name every action of a ``Discrete`` space, once each (fewer names would leave
+        actions the model can never take, silently)."""
+        if self.action_names is None:
+            return
+        space = self.env.action_space
+        if type(space).__name__ != "Discrete":
+            raise ValueError(
+                f"GymEnvironment {self.env_id!r}: action_names are for a Discrete action space, but its action "
+                f"space is {space}; remove action_names"
+            )
+        lowered = [name.lower() for name in self.action_names]
+        if len(self.action_names) != int(space.n) or len(set(lowered)) != len(lowered):
+            raise ValueError(
+                f"GymEnvironment {self.env_id!r}: action_names {self.action_names} must name each of the "
+                f"{int(space.n)} actions of its action space {space} once (got {len(self.action_names)} names"
+                f"{', with repeats' if len(set(lowered)) != len(lowered) else ''})"
+            )
+
     def reset(self, prompt: str, *, seed: int) -> str:
         self.env = _import_gymnasium().make(self.env_id, **self.env_kwargs)
+        self._check_action_names()
         observation, _ = self.env.reset(seed=seed)
         self.env.action_space.seed(seed)
         return self.first_template.format(prompt=prompt, observation=self._show(observation))
