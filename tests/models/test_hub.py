@@ -409,3 +409,26 @@ def test_async_grpo_by_hub_id(hub_cache, tmp_path):
     trainer.fit(module, PromptDataModule(train_file=str(prompts), batch_size=2))
     train = [h for h in module.history if "time/train_s" in h]
     assert len(train) == 3 and [h["async/staleness_max"] for h in train] == [0, 1, 1]
+
+
+def test_an_adapter_export_of_a_hub_model_loads_where_the_cache_has_moved(hub_cache, tmp_path, monkeypatch):
+    """A LoRA adapter trained from a hub model names its base by the snapshot's path; on a machine whose cache
+    is elsewhere, the base resolves again by the hub id and commit that path encodes."""
+    from alignlit.models.lora import LoRA
+
+    out = tmp_path / "adapter"
+    module = SFTModule(policy=QWEN, lora=LoRA(rank=4, export="adapter"), optim=Optim(lr=1e-2, warmup_steps=1))
+    with torch.no_grad():  # a non-zero adapter, so the merged model differs from the base
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    module.export(out)
+    base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(snapshot_dir(hub_cache))
+    expected = load_policy(out)[0]
+    moved = tmp_path / "moved-cache"
+    shutil.copytree(hub_cache, moved, symlinks=True)
+    shutil.rmtree(hub_cache)
+    monkeypatch.setenv("HF_HUB_CACHE", str(moved))
+    model, tok = load_policy(out)
+    assert _same_weights(model, expected) and tok.eos_token == IM_END
