@@ -95,7 +95,8 @@ QWEN_TINY = dict(
 #: Qwen2.5-0.5B-Instruct's generation_config.json, token ids replaced by this tokenizer's
 GENERATION_DEFAULTS = dict(do_sample=True, repetition_penalty=1.1, temperature=0.7, top_p=0.8, top_k=20)
 
-#: the files a snapshot holds (what ``alignlit.hub`` downloads, plus nothing else)
+#: BPE merges trained (the tokenizer's length adds the 3 special tokens); the embedding is padded to a
+#: multiple of EMBEDDING_MULTIPLE, as Qwen2.5's 151,936 rows exceed its tokenizer's 151,665
 VOCAB_SIZE = 1024
 EMBEDDING_MULTIPLE = 128
 
@@ -106,13 +107,24 @@ _BUILD_ROOT: list[Path] = []
 
 
 def _texts(n: int = 1500) -> list[str]:
-    """GSM8K questions and answers (the first ``n`` rows) plus plain English and chat words."""
+    """GSM8K questions and answers (the first ``n`` rows of the shared train split; made-up GSM8K-like
+    ones where that file is absent) plus plain English and chat words."""
     out = [
         "You are a helpful assistant.",
         "The quick brown fox jumps over the lazy dog.",
         "Hello! How can I help you today? Let me think step by step.",
         "system user assistant Question: Answer: The answer is",
     ]
+    if not GSM8K_TRAIN.is_file():  # no shared data here: GSM8K-like sentences made up, same alphabet
+        names = ["Natalia", "James", "Weng", "Betty", "Julie", "Mark", "Albert", "Ken"]
+        for i in range(n):
+            a, b = 3 + i % 47, 2 + i % 11
+            out += [
+                f"{names[i % 8]} has {a} apples and buys {b} more each day for {i % 5 + 1} days. How many now?",
+                f"Each day adds {b}, so {b}*{i % 5 + 1} = <<{b}*{i % 5 + 1}={b * (i % 5 + 1)}>>{b * (i % 5 + 1)}."
+                f"\nThen {a}+{b * (i % 5 + 1)} = {a + b * (i % 5 + 1)}.\n#### {a + b * (i % 5 + 1)}",
+            ]
+        return out
     with gzip.open(GSM8K_TRAIN, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if i >= n:
