@@ -432,3 +432,13 @@ def test_an_adapter_export_of_a_hub_model_loads_where_the_cache_has_moved(hub_ca
     monkeypatch.setenv("HF_HUB_CACHE", str(moved))
     model, tok = load_policy(out)
     assert _same_weights(model, expected) and tok.eos_token == IM_END
+
+
+def test_a_missing_relative_directory_that_looks_like_an_id_says_both(hub_cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()  # `out/sft` was meant as the output of a stage that has not run
+    with pytest.raises(ModelNotFoundError) as info:
+        load_policy("out/sft")
+    assert _one_line(info.value).startswith(
+        "policy 'out/sft': there is no directory out/sft, and not found in the local Hugging Face cache"
+    )
