@@ -72,6 +72,9 @@ class OnlineCheckpoints:
             {int(j): load_experience(result) for j, result in state["ahead"].items()},
             {int(j): int(v) for j, v in state["ahead_versions"].items()},
         )
+        self.resume_notice = self.async_resume_notice()
+        if self.resume_notice:
+            print(self.resume_notice, flush=True)
         self.history = list(state["history"])
         self.skipped_rollouts, self.trained_rollouts = (
             int(state["skipped_rollouts"]),
@@ -80,6 +83,28 @@ class OnlineCheckpoints:
         self.ptx_mixer.load_state_dict(state["ptx_loader"])
         torch.set_rng_state(state["torch_rng"])
         self.load_online_state_dict(state)
+
+    def async_resume_notice(self) -> str:
+        """The notice of a resume that cannot match an uninterrupted run ("" when it can).
+
+        With ``max_staleness = k``, a checkpoint holds the ``k`` batches generated ahead of its step, from
+        the weights of ``k`` steps earlier. A checkpoint written within ``k`` steps of the end its run had
+        planned (at the end of a finished run, say) has fewer: its run never generated the batches past its
+        end. Resumed with a longer run (``max_epochs`` raised), those batches are generated from the
+        weights of the resume, staleness 0 instead of up to ``k``: a valid run, but not the one a run planned
+        that long from the start would have trained (its weights from earlier versions are gone)."""
+        k, index = self.rollout.max_staleness, self.rollout.rollouts
+        missing = [j for j in range(index, index + k) if j not in self.restored_batches[0]]
+        if not k or not index or not missing:
+            return ""
+        steps = ", ".join(map(str, missing))
+        return (
+            f"alignlit: notice: this checkpoint (rollout step {index}, max_staleness {k}) holds no rollouts "
+            f"generated ahead for step(s) {steps}: it was written at (or within {k} steps of) the end its run "
+            f"had planned. If this run trains them, they are generated from the resumed weights (staleness 0), "
+            f"not from the weights of {k} step(s) earlier as in a run planned this long from the start, so the "
+            "result is a valid asynchronous run but not bit-identical to that one."
+        )
 
     def write_curves(self) -> Path | None:
         """Plot the monitoring history (PNG) and write it as JSON next to it, on rank 0; None without
