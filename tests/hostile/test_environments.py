@@ -51,6 +51,14 @@ class NoStep:
         return prompt
 
 
+class NoSeed:
+    def reset(self, prompt):
+        return prompt
+
+    def step(self, response):
+        return "", 1.0, True
+
+
 class Returns:
     """Steps return ``value`` (a fixed step tuple) once."""
 
@@ -185,3 +193,13 @@ def test_max_episode_tokens_beyond_the_positions_names_the_field_and_valid_advic
     assert "rollout.max_episode_tokens 400 alone needs every position the policy has" in message
     assert f"Lower rollout.max_episode_tokens to at most {128 - length}" in message
     assert "max_prompt_length" not in message and "-" not in message.split("(max_position_embeddings)")[1]
+
+
+def test_an_environment_class_with_other_arguments_is_refused_with_the_signatures():
+    with pytest.raises(Exception) as caught:
+        parse_environment("tests.hostile.test_environments.NoSeed")
+    text = explain(str(caught.value), None, [])
+    assert (
+        "its methods must accept the protocol's arguments: reset(self, prompt, *, seed); step(self, response)"
+        in text
+    )

@@ -182,7 +182,13 @@ def protocol_gaps(text: str, message: str) -> str:
     missing = [n for n in members if not callable(getattr(cls, n, None))]
     if missing:
         return f"{text}: it has no method {', '.join(missing)} (needs {', '.join(members)})"
-    wanted = "; ".join(f"{n}{inspect.signature(getattr(proto, n))}" for n in members)
+
+    def bare(fn) -> inspect.Signature:  # names and kinds only: the protocol's annotations are Any
+        sig = inspect.signature(fn)
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+        return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+    wanted = "; ".join(f"{n}{bare(getattr(proto, n))}" for n in members)
     return f"{text}: its methods must accept the protocol's arguments: {wanted}"
 
 
