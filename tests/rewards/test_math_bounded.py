@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import pickle
 from pathlib import Path
 
@@ -248,3 +249,26 @@ def test_a_failing_sample_is_scored_counted_and_named(tmp_path, monkeypatch, cap
     assert r.metrics()["math_verify/errors"] == 1.0 and r.metrics()["math_verify/crashes"] == 1.0
     text = caplog.text
     assert "f.jsonl:1" in text and "ZeroDivisionError: injected" in text and "f.jsonl:3" in text
+
+
+def test_a_forked_child_starts_its_own_workers(reward):
+    """A forked process (a DataLoader worker) must not share its parent's worker pipes: it starts its own
+    and leaves the parent's running."""
+    reward(["q"], ["so 3"], answer=["3"])
+    parent_pids = [w.proc.pid for w in reward.pool._workers]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            got = reward(["q", "q"], ["so 5", "so 6"], answer=["5", "5"]).tolist()
+            own = [w.proc.pid for w in reward.pool._workers]
+            os.write(write, json.dumps([got, not set(own) & set(parent_pids)]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        got, own_workers = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert got == [1.0, 0.0] and own_workers
+    assert [w.proc.pid for w in reward.pool._workers] == parent_pids
+    assert reward(["q"], ["so 7"], answer=["7"]).tolist() == [1.0]

@@ -82,9 +82,10 @@ def _spawn(memory_mb: int) -> _Worker:
     return _Worker(proc, Connection(task_w, readable=False), Connection(result_r, writable=False))
 
 
-def _close_all(workers: list[_Worker]) -> None:
-    for w in workers:
-        w.kill()
+def _close_all(workers: list[_Worker], owner: int) -> None:
+    if os.getpid() == owner:  # a forked child (a DataLoader worker) leaves its parent's workers alone
+        for w in workers:
+            w.kill()
     workers.clear()
 
 
@@ -113,13 +114,14 @@ class VerifierPool:
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.startup_timeout_s, self.memory_mb = startup_timeout_s, memory_mb
         self._workers: list[_Worker] = []
+        self._owner = os.getpid()
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _close_all, self._workers)
+        self._finalizer = weakref.finalize(self, _close_all, self._workers, self._owner)
 
     def close(self) -> None:
         """Stop the workers (a later :meth:`run` starts new ones)."""
         with self._lock:
-            _close_all(self._workers)
+            _close_all(self._workers, self._owner)
 
     def _fill(self) -> None:
         while len(self._workers) < self.num_workers:
@@ -142,6 +144,11 @@ class VerifierPool:
         """Check ``(gold, response)`` pairs; one :class:`Result` per pair, in order. Returns within about
         ``len(tasks) / num_workers * timeout_s`` plus the workers' start-up however the samples behave."""
         with self._lock:
+            if os.getpid() != self._owner:  # forked: the workers are the parent's; start our own
+                _close_all(self._workers, self._owner)
+                self._owner = os.getpid()
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _close_all, self._workers, self._owner)
             return self._run(tasks)
 
     def _run(self, tasks: list[tuple[str, str]]) -> list[Result]:
