@@ -6,6 +6,7 @@ own (and a faulthandler watchdog for hangs that hold the GIL), so a regression f
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 
 pytest.importorskip("math_verify")
 
+from alignlit.data.records import DataError
 from alignlit.rewards._verify_worker import boxed_span, final_answer
 from alignlit.rewards.math import MathVerifyReward, math_verify_score
 
@@ -114,3 +116,49 @@ def test_a_worker_killed_mid_sample_is_a_counted_crash(reward, caplog):
     got, took = bounded(lambda: reward(["q", "q"], [HANGING[0], "\\boxed{1}x"], answer=["1", "1"]), 60.0)
     assert got.tolist() == [0.0, 1.0] and took < 50.0
     assert reward.counts["crashes"] == 1 and "row 0" in caplog.text and "crash" in caplog.text
+
+
+# issue 36, "Silent wrong results" item 5 and the unclear errors about the math reward, as a user meets them
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_a_gold_of_bare_hashes_is_a_load_error_naming_the_row(tmp_path):
+    path = write_jsonl(
+        tmp_path / "g.jsonl", [{"prompt": "a", "answer": "#### 3"}, {"prompt": "b", "answer": "####"}]
+    )
+    with pytest.raises(DataError, match=r"g.jsonl:2, field 'answer'.*nothing after '####'"):
+        MathVerifyReward(answers_file=path)
+
+
+def test_a_duplicate_prompt_with_another_gold_is_refused(tmp_path):
+    rows = [{"prompt": "a", "answer": "#### 3"}, {"prompt": "a", "answer": "#### 4"}]
+    with pytest.raises(
+        DataError, match=r"two different gold answers: '3' at .*g.jsonl:1 and '4' at .*g.jsonl:2"
+    ):
+        MathVerifyReward(answers_file=write_jsonl(tmp_path / "g.jsonl", rows))
+
+
+def test_an_answers_file_without_the_prompt_field(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "a", "answer": "#### 3"}])
+    with pytest.raises(DataError, match=r"g.jsonl:1, field 'prompt': missing"):
+        MathVerifyReward(answers_file=path)
+
+
+def test_a_truncated_prompt_says_truncation_may_be_why(tmp_path):
+    path = write_jsonl(
+        tmp_path / "g.jsonl", [{"prompt": "Janet's ducks lay 16 eggs per day.", "answer": "#### 18"}]
+    )
+    with pytest.raises(DataError, match=r"no gold answer for prompt row 0 .*truncated \(max_prompt_length\)"):
+        MathVerifyReward(answers_file=path)(["ducks lay 16 eggs per day."], ["18"])
+
+
+def test_equal_answers_that_scored_zero(reward):
+    big = "9" * 10_000
+    responses = [f"\\boxed{{{big}}}", "٧٢", "７２", "(1,2)", "$(1,2)$"]
+    golds = [f"#### {big}", "#### 72", "#### 72", "(1,2)", "(1,2)"]
+    got, _ = bounded(lambda: reward(["q"] * 5, responses, answer=golds), 2 * SLACK_S)
+    assert got.tolist() == [1.0] * 5
