@@ -262,6 +262,7 @@ def prompt_readers(args) -> list[Reader]:
     from transformers import AutoConfig
 
     from alignlit.data.tokenizer import load_tokenizer
+    from alignlit.hub import resolve_model
     from alignlit.models import TinyLlama
     from alignlit.models.lora import adapter_base, is_adapter_dir
 
@@ -274,10 +275,12 @@ def prompt_readers(args) -> list[Reader]:
     for role, path in [("policy", p) for p in args.policy] + [("reference", args.reference)] * bool(
         args.reference
     ):
-        if not Path(path).is_dir():
-            continue  # load_policy says what is wrong with it
-        config = AutoConfig.from_pretrained(str(adapter_base(path) if is_adapter_dir(path) else path))
-        readers.append(Reader(f"the {role} {path}", load_tokenizer(path), model_positions(config)))
+        try:  # a hub id: its cached snapshot (a model that does not resolve: load_policy says why)
+            local = resolve_model(path, what=role)
+        except (FileNotFoundError, ValueError):
+            continue
+        config = AutoConfig.from_pretrained(str(adapter_base(local) if is_adapter_dir(local) else local))
+        readers.append(Reader(f"the {role} {path}", load_tokenizer(local), model_positions(config)))
     return readers
 
 
