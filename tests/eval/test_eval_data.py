@@ -60,3 +60,23 @@ def test_eval_refuses_bad_arguments(hub_cache, capsys):
     with pytest.raises(SystemExit):
         alignlit(["eval", "--policy", policy, "--prompts", str(GSM8K_TEST), "--reward", "no.such.reward"])
     assert "cannot be imported" in capsys.readouterr().err
+
+
+def test_sample_renders_chat_prompts_and_passes_answers(hub_cache, tmp_path):
+    """alignlit sample --chat: the prompts are rendered as training renders them, and a scorer that names the
+    answer column gets each prompt's GSM8K answer."""
+    with gzip.open(GSM8K_TEST, "rt") as f:
+        rows = [json.loads(next(f)) for _ in range(3)]
+    even = [float(int(r["answer"].rsplit("####", 1)[1].replace(",", "")) % 2 == 0) for r in rows]
+    out = tmp_path / "ranked.jsonl"
+    groups = alignlit(
+        ["sample", "--policy", str(snapshot_dir(hub_cache)), "--prompts", str(GSM8K_TEST), "--max-prompts", "3",
+         "--columns", "question:prompt", "--chat", "--system-prompt", "Answer after ####.", "--n", "2",
+         "--max-new-tokens", "3", "--scorer", "tests.eval.test_eval_data.even_answer", "--out", str(out),
+         "--no-progress"]
+    )  # fmt: skip
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g.scores for g in groups] == [[e, e] for e in even]
+    for row, w in zip(rows, written):
+        assert w["prompt"].startswith("<|im_start|>system\nAnswer after ####.<|im_end|>\n<|im_start|>user\n")
+        assert row["question"] in w["prompt"] and w["prompt"].endswith("<|im_start|>assistant\n")

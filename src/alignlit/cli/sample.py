@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from alignlit.data.chat import make_prompt
 from alignlit.data.encoding import OVERFLOW_CHOICES
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, write_jsonl
-from alignlit.data.records import parse_prompt, read_records
+from alignlit.data.records import DataError, Record, parse_prompt, read_records
+from alignlit.data.sources import rename_columns
 from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.hub import ModelNotFoundError, RemoteCodeError, is_repo_id
 from alignlit.models.reward import model_positions, resolve_model_path
@@ -91,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="--pairs keeps pairs whose score gap is > this (default: 0)",
     )
     p.add_argument("--max-prompts", type=int, help="use only the first N prompts")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="render string prompts as a user message with the policy's chat template (message-list prompts "
+        "always are), as PromptDataModule(chat=True) does in training",
+    )
+    p.add_argument("--system-prompt", help="a system message before every rendered prompt")
+    p.add_argument(
+        "--columns",
+        nargs="*",
+        default=[],
+        metavar="SRC:DST",
+        help="rename record fields, e.g. question:prompt",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k (default: 0, off)")
@@ -140,6 +156,16 @@ def sample_with_progress(
     return groups, +counts
 
 
+def record_prompt(record: Record, tokenizer, *, chat: bool, system_prompt: str | None):
+    """The prompt of a record, rendered as training renders it (:func:`alignlit.data.chat.make_prompt`)."""
+    value = record.fields["prompt"] if isinstance(record.fields.get("prompt"), list) else parse_prompt(record)
+    fields = {k: v for k, v in record.fields.items() if k not in ("prompt", "chosen", "rejected", "text")}
+    return make_prompt(
+        value, tokenizer, where=f"{record.source}, field 'prompt'", chat=chat, system_prompt=system_prompt,
+        fields=fields, source=record.source,
+    )  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
     """Run ``alignlit sample``; returns the ranked groups it wrote."""
     from alignlit.models import load_policy
@@ -158,15 +184,26 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         parser.error("--pairs and --rft need --scorer (a reward-model directory or 'gold')")
     if args.pairs and args.n < 2:
         parser.error("--pairs needs --n >= 2")
-    records = read_records(args.prompts)[: args.max_prompts]
-    prompts = [parse_prompt(r) for r in records]
-    if not prompts:
+    columns = {}
+    for item in args.columns:
+        src, sep, dst = item.partition(":")
+        if not sep or not src or not dst:
+            parser.error(f"--columns takes SRC:DST pairs, got {item!r}")
+        columns[src] = dst
+    records = rename_columns(read_records(args.prompts)[: args.max_prompts], columns)
+    if not records:
         parser.error(f"{args.prompts}: no prompts")
     try:  # a hub id that does not resolve, or a model that needs its own code: one line, no traceback
         scorer = load_scorer(args.scorer, sim=args.sim, batch_size=args.batch_size) if args.scorer else None
         policy, tokenizer = load_policy(args.policy, dtype=args.dtype)
     except (ModelNotFoundError, RemoteCodeError) as e:
         sys.exit(f"alignlit sample: {e}")
+    try:
+        prompts = [
+            record_prompt(r, tokenizer, chat=args.chat, system_prompt=args.system_prompt) for r in records
+        ]
+    except DataError as e:
+        parser.error(str(e))
     policy.eval()
     readers = [Reader(f"the policy {args.policy}", tokenizer, model_positions(policy.config))]
     try:
