@@ -29,7 +29,7 @@ from alignlit.rollout.episodes import EpisodeReturn, run_episodes
 from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.parity import check_parity
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
-from alignlit.rollout.reward import Reward, score_rollout
+from alignlit.rollout.reward import Reward, reward_counters, score_rollout
 
 
 class RolloutLoop:
@@ -432,7 +432,7 @@ class RolloutLoop:
         rollout = self.generate(prompts, version=version, sampling=sampling, engine=engine)
         start = time.perf_counter()
         rewards = score_rollout(reward, rollout)
-        self.metrics["rollout/score_s"] = time.perf_counter() - start
+        self.metrics.update({"rollout/score_s": time.perf_counter() - start, **reward_counters(reward)})
         return Experience(rollout, rewards, torch.full((len(rollout),), version, dtype=torch.long))
 
     def state_dict(self) -> dict[str, Any]:

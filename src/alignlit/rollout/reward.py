@@ -196,6 +196,17 @@ def score_rollout(reward: Reward, rollout: Rollout) -> torch.Tensor:
     return score_texts(reward, rollout.prompts, rollout.texts)
 
 
+def reward_counters(reward) -> dict[str, float]:
+    """A reward's own counters to log with each rollout: its ``metrics()`` (e.g. ``math_verify/timeouts``
+    of :class:`~alignlit.rewards.math.MathVerifyReward`, ``judge/failed_default_score`` of
+    :class:`~alignlit.rewards.judge.JudgeReward`), or nothing for a reward without one."""
+    fn = getattr(reward, "metrics", None)
+    if not callable(fn) or isinstance(reward, torch.nn.Module):
+        return {}
+    out = fn()
+    return {str(k): float(v) for k, v in out.items()} if isinstance(out, dict) else {}
+
+
 def resolve_reward(spec: str | Reward, *, batch_size: int = 64, dtype: str = "float32") -> Reward:
     """A reward from a config value.
 
