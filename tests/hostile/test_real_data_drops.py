@@ -51,3 +51,16 @@ def test_no_warning_when_nothing_is_dropped(hub_cache, capsys, recwarn):
     dm.setup("fit")
     assert "3 records -> 3 train / 0 val examples; nothing truncated or dropped" in capsys.readouterr().out
     assert not [w for w in recwarn if "dropped" in str(w.message)]
+
+
+def test_message_list_prompts_with_an_answers_file_say_what_to_do(tmp_path):
+    """Issue 36 unclear error: message-list prompts with the math reward ended in 'unhashable type: list'."""
+    from alignlit.data import DataError
+    from alignlit.rewards.math import MathVerifyReward
+
+    f = tmp_path / "mp.jsonl"
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+2?"}], "answer": "#### 3"}) + "\n")
+    with pytest.raises(
+        DataError, match=r"mp.jsonl:1, field 'prompt': a list of messages cannot key .* `answer` column"
+    ):
+        MathVerifyReward(answers_file=str(f))

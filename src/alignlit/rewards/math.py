@@ -130,6 +130,13 @@ class MathVerifyReward:
 
     def _load(self, path: Path, prompt_field: str, answer_field: str) -> None:
         for r in read_records(path):
+            if isinstance(r.fields.get(prompt_field), list):
+                raise r.error(
+                    prompt_field,
+                    "a list of messages cannot key an answers file (the policy sees its chat rendering): drop "
+                    "answers_file and keep the gold in the prompt records' `answer` column, which travels with each "
+                    "prompt to the reward",
+                )
             prompt = r.text(prompt_field)
             if answer_field not in r.fields:
                 raise r.error(answer_field, f"missing: no gold answer (record has {sorted(r.fields)})")
