@@ -263,7 +263,7 @@ class EngineHTTP:
             if isinstance(got, str):
                 raise EngineError(f"rollout engine {self.url} failed to load {folder}: {got}")
             held = got.get("checksum") if isinstance(got, dict) else None
-            if held != checksum:
+            if held is None or str(held) != str(checksum):  # JSON may carry a 64-bit checksum as a string
                 raise WeightSyncError(
                     f"rollout engine {self.url} loaded weights {label} with checksum {held!r}, the trainer "
                     f"pushed {checksum!r}: it holds other weights than the trainer's"

@@ -360,7 +360,7 @@ def check_received(engine: EngineHTTP, checksum: int, label: str) -> None:
     """Every worker of ``engine`` must answer (``alignlit_last_checksum``) the checksum of the push: else
     :class:`WeightSyncError` naming the endpoint."""
     got = engine.rpc_all("alignlit_last_checksum", what=f"reading the checksum of weights {label}")
-    wrong = [c for c in got if c != checksum]
+    wrong = [c for c in got if str(c) != str(checksum)]  # JSON may carry a 64-bit checksum as a string
     if wrong:
         raise WeightSyncError(
             f"rollout engine {engine.url} received weights {label} with checksum {wrong[0]!r}, the trainer "
