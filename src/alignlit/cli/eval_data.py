@@ -23,6 +23,7 @@ from pathlib import Path
 
 from alignlit.checks import import_object
 from alignlit.data.encoding import OVERFLOW_CHOICES
+from alignlit.data.sources import columns_from_pairs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,19 +86,17 @@ def reward_from(spec: str, args_json: str, parser: argparse.ArgumentParser):
 def prompt_module(args, tokenizer_source: str, parser: argparse.ArgumentParser):
     from alignlit.data import PromptDataModule
 
-    columns = {}
-    for item in args.columns:
-        src, sep, dst = item.partition(":")
-        if not sep or not src or not dst:
-            parser.error(f"--columns takes SRC:DST pairs, got {item!r}")
-        columns[src] = dst
+    try:
+        columns = columns_from_pairs(args.columns)
+    except ValueError as e:
+        parser.error(str(e))
     source: dict = {"train_file": args.prompts}
     if args.dataset:
         spec = {"path": args.dataset, "split": args.split}
         spec.update({k: v for k, v in (("name", args.dataset_name), ("data_files", args.data_files)) if v})
         source = {"dataset": spec}
     return PromptDataModule(
-        **source, columns=columns or None, chat=args.chat, system_prompt=args.system_prompt,
+        **source, columns=columns, chat=args.chat, system_prompt=args.system_prompt,
         max_prompt_length=args.max_prompt_length, overflow=args.prompt_overflow, tokenizer=tokenizer_source,
         max_examples=args.n_prompts,
     )  # fmt: skip

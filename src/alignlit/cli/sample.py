@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from alignlit.data.chat import make_prompt
 from alignlit.data.encoding import OVERFLOW_CHOICES
 from alignlit.data.pairs_from_rm import RankedGroup, best_of_n_records, best_worst_pairs, write_jsonl
-from alignlit.data.records import DataError, Record, parse_prompt, read_records
-from alignlit.data.sources import rename_columns
+from alignlit.data.records import DataError, read_records
+from alignlit.data.sft import record_prompt
+from alignlit.data.sources import columns_from_pairs, rename_columns
 from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.hub import ModelNotFoundError, RemoteCodeError, is_repo_id
 from alignlit.models.reward import model_positions, resolve_model_path
@@ -156,16 +156,6 @@ def sample_with_progress(
     return groups, +counts
 
 
-def record_prompt(record: Record, tokenizer, *, chat: bool, system_prompt: str | None):
-    """The prompt of a record, rendered as training renders it (:func:`alignlit.data.chat.make_prompt`)."""
-    value = record.fields["prompt"] if isinstance(record.fields.get("prompt"), list) else parse_prompt(record)
-    fields = {k: v for k, v in record.fields.items() if k not in ("prompt", "chosen", "rejected", "text")}
-    return make_prompt(
-        value, tokenizer, where=f"{record.source}, field 'prompt'", chat=chat, system_prompt=system_prompt,
-        fields=fields, source=record.source,
-    )  # fmt: skip
-
-
 def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
     """Run ``alignlit sample``; returns the ranked groups it wrote."""
     from alignlit.models import load_policy
@@ -184,12 +174,10 @@ def main(argv: Sequence[str] | None = None) -> list[RankedGroup]:
         parser.error("--pairs and --rft need --scorer (a reward-model directory or 'gold')")
     if args.pairs and args.n < 2:
         parser.error("--pairs needs --n >= 2")
-    columns = {}
-    for item in args.columns:
-        src, sep, dst = item.partition(":")
-        if not sep or not src or not dst:
-            parser.error(f"--columns takes SRC:DST pairs, got {item!r}")
-        columns[src] = dst
+    try:
+        columns = columns_from_pairs(args.columns)
+    except ValueError as e:
+        parser.error(str(e))
     records = rename_columns(read_records(args.prompts)[: args.max_prompts], columns)
     if not records:
         parser.error(f"{args.prompts}: no prompts")

@@ -96,6 +96,23 @@ PROMPT_SOURCE_FIELDS = ("prompt", "chosen", "text", "rejected")
 """Fields a prompt is read from; the others travel with it (:attr:`~alignlit.data.Prompt.fields`)."""
 
 
+def record_prompt(record: Record, tokenizer, *, chat: bool, system_prompt: str | None) -> Prompt:
+    """The :class:`~alignlit.data.Prompt` of a prompt record as every stage renders it (its ``prompt``: a string
+    or messages; or an HH-RLHF dialogue's prompt), carrying the record's other fields; used by
+    :class:`PromptDataModule` and ``alignlit sample``."""
+    f = record.fields
+    fields = {k: v for k, v in f.items() if k not in PROMPT_SOURCE_FIELDS}
+    if "prompt" in f:
+        return make_prompt(
+            f["prompt"], tokenizer, where=f"{record.source}, field 'prompt'", chat=chat,
+            system_prompt=system_prompt, fields=fields, source=record.source,
+        )  # fmt: skip
+    return make_prompt(
+        parse_prompt(record), tokenizer, where=record.source, chat=chat, system_prompt=system_prompt,
+        fields=fields, source=record.source,
+    )  # fmt: skip
+
+
 class PromptDataModule(AlignDataModule):
     """Prompts for online stages (PPO, GRPO, online DPO/RRHF), sampling and evaluation.
 
@@ -164,19 +181,9 @@ class PromptDataModule(AlignDataModule):
 
     def _prompt(self, record: Record) -> Prompt:
         hp = self.hparams
-        f = record.fields
-        if isinstance(f.get("prompt"), list) and self.tokenizer is None:
+        if isinstance(record.fields.get("prompt"), list) and self.tokenizer is None:
             self.tokenizer = resolve_tokenizer(self, hp.tokenizer)
-        fields = {k: v for k, v in f.items() if k not in PROMPT_SOURCE_FIELDS}
-        if "prompt" in f:
-            return make_prompt(
-                f["prompt"], self.tokenizer, where=f"{record.source}, field 'prompt'", chat=hp.chat,
-                system_prompt=hp.system_prompt, fields=fields, source=record.source,
-            )  # fmt: skip
-        return make_prompt(
-            parse_prompt(record), self.tokenizer, where=record.source, chat=hp.chat,
-            system_prompt=hp.system_prompt, fields=fields, source=record.source,
-        )  # fmt: skip
+        return record_prompt(record, self.tokenizer, chat=hp.chat, system_prompt=hp.system_prompt)
 
     def encode(self, records: list[Record], split: str) -> list[str]:
         hp = self.hparams

@@ -13,7 +13,7 @@ the DataModule reads) before parsing; a mapped column a record lacks is an error
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from alignlit.data.records import DataError, Record, _as_record
@@ -105,6 +105,18 @@ def check_columns(columns: Any, what: str = "columns") -> dict[str, str] | None:
     if dup:
         raise ValueError(f"{what}: several columns map to {dup}")
     return dict(columns)
+
+
+def columns_from_pairs(items: Sequence[str], what: str = "--columns") -> dict[str, str] | None:
+    """``["question:prompt", ...]`` (the command-line form) as a checked ``{source: target}`` mapping;
+    None for no items. ValueError naming a malformed item."""
+    columns = {}
+    for item in items:
+        src, sep, dst = item.partition(":")
+        if not sep or not src or not dst:
+            raise ValueError(f"{what} takes SRC:DST pairs, got {item!r}")
+        columns[src] = dst
+    return check_columns(columns, what) if columns else None
 
 
 def rename_columns(records: list[Record], columns: Mapping[str, str] | None) -> list[Record]:
