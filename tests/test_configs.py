@@ -12,6 +12,7 @@ FRAGMENTS = {  # stacked on a stage config, each tested below
     *PRESETS,
     *CONFIG_DIR.joinpath("lora").glob("*.yaml"),
     *CONFIG_DIR.joinpath("speed").glob("*.yaml"),
+    *CONFIG_DIR.joinpath("rollout").glob("*.yaml"),
 }
 CONFIGS = sorted(set(CONFIG_DIR.rglob("*.yaml")) - FRAGMENTS)
 
@@ -29,7 +30,7 @@ def test_every_quickstart_config_has_a_paper_twin_and_every_yaml_a_test():
     quickstart = {p.name for p in CONFIG_DIR.joinpath("quickstart").glob("*.yaml")}
     paper = {p.name for p in CONFIG_DIR.joinpath("paper").glob("*.yaml")}
     assert quickstart == paper, f"without a twin: {sorted(quickstart ^ paper)}"
-    fragment_folders = {"strategies", "lora", "speed"}
+    fragment_folders = {"strategies", "lora", "speed", "rollout"}
     for path in CONFIG_DIR.rglob("*.yaml"):
         folder = path.relative_to(CONFIG_DIR).parts[0]
         assert (path in CONFIGS) != (folder in fragment_folders), (
@@ -90,3 +91,17 @@ def test_compile_preset_appends_its_callback_to_the_stage_callbacks(stage):
     assert after == [*before, "alignlit.callbacks.CompileDecoder"]
     assert cli.config.trainer.callbacks[-1].init_args.backend == "inductor"
     assert cli.config.model.class_path == base.config.model.class_path
+
+
+def test_rollout_presets_stack_on_an_online_stage():
+    """configs/rollout/icepop.yaml sets the rollout correction, judge.yaml the judge reward, on quickstart GRPO."""
+    base = str(CONFIG_DIR / "quickstart" / "grpo.yaml")
+    icepop = ParseOnly(
+        args=["--config", base, "--config", str(CONFIG_DIR / "rollout/icepop.yaml")], run=False
+    )
+    args = icepop.config.model.init_args
+    assert args.rollout_correction == "icepop" and args.rollout_correction_args == {"low": 0.5, "high": 5.0}
+    judge = ParseOnly(args=["--config", base, "--config", str(CONFIG_DIR / "rollout/judge.yaml")], run=False)
+    reward = judge.config.model.init_args.reward
+    assert reward.class_path == "alignlit.rewards.judge.JudgeReward" and reward.init_args.max_score == 10
+    assert judge.config.model.class_path == "alignlit.modules.PolicyGradientModule"
