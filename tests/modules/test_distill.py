@@ -78,6 +78,49 @@ def test_pure_distillation_with_one_sample_trains(tiny_policy_dir, teacher_dir):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.policy.parameters())
 
 
+def test_gkd_jsd_term_added_to_the_policy_loss(tiny_policy_dir, teacher_dir):
+    """jsd_coef: the minibatch loss is the policy-gradient loss plus jsd_coef times GKD's JSD between the
+    teacher's and the student's full distributions, both recomputed here by independent forwards."""
+    from alignlit.losses import generalized_jsd_loss, policy_gradient_loss
+    from alignlit.models.forward import response_token_logprobs
+
+    m = module(tiny_policy_dir, teacher=str(teacher_dir), task_coef=0.0, jsd_coef=0.7, jsd_beta=0.3)
+    traj = trajectory(m)
+    m.advantages(traj)
+    batch = m.trainable(traj)
+    loss, metrics = m.policy_loss(batch)
+    teacher, _ = load_policy(str(teacher_dir))
+    ids, mask = batch.ids, batch.loss_mask
+    with torch.no_grad():
+        cat = torch.cat([ids[0], ids[2]], 1)
+        attn = torch.cat([ids[1], ids[3]], 1).long()
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        P = ids[0].shape[1]
+        t_logits = teacher.eval()(input_ids=cat, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1]
+        s_logits = m.policy(input_ids=cat, attention_mask=attn, position_ids=pos).logits[:, P - 1 : -1]
+        jsd, _ = generalized_jsd_loss(s_logits, t_logits, mask, beta=0.3)  # token_mean, the module's default
+        logprobs = response_token_logprobs(m.policy, *ids, fused_head=False, packing=False).logprobs
+        pg, _ = policy_gradient_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            mask,
+            clip_low=0.2,
+            clip_high=0.2,
+            aggregation="token_mean",
+        )
+    assert float(metrics["jsd"]) == pytest.approx(float(jsd), rel=1e-4, abs=1e-6)
+    assert float(metrics["jsd"]) > 0  # two different random models
+    assert float(loss.detach()) == pytest.approx(float(pg + 0.7 * jsd), rel=1e-4, abs=1e-6)
+    loss.backward()
+    assert all(p.grad is None for p in m.teacher.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.policy.parameters())
+    with pytest.raises(ValueError, match="jsd_beta in"):
+        module(tiny_policy_dir, teacher=str(teacher_dir), jsd_coef=1.0, jsd_beta=2.0)
+    with pytest.raises(ValueError, match="set a teacher"):
+        module(tiny_policy_dir, jsd_coef=1.0)
+
+
 def test_bad_teachers_refused(tiny_policy_dir, hub_cache):
     with pytest.raises(ValueError, match="another tokenizer than the policy"):
         module(tiny_policy_dir, teacher=str(snapshot_dir(hub_cache)))

@@ -1,5 +1,6 @@
 """Pure loss functions: each takes tensors and returns ``(loss, metrics)`` with detached metrics."""
 
+from alignlit.losses.distill import generalized_jsd, generalized_jsd_loss
 from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_metrics, rpo_sft_term
 from alignlit.losses.kto import kto_loss, kto_reference_point
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
@@ -49,6 +50,8 @@ __all__ = [
     "bradley_terry_loss",
     "dpo_loss",
     "entropy_bonus",
+    "generalized_jsd",
+    "generalized_jsd_loss",
     "implicit_rewards",
     "ipo_loss",
     "kto_loss",

@@ -244,6 +244,49 @@ def response_token_logprobs(
     return _result(fused_scored(plan, states, predictor, response_ids, mask, **options), mask)
 
 
+def response_logits(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """(B, T, V) the model's logits at the positions that predict each response token (column ``P - 1 + t``).
+
+    The full-vocabulary scores that a divergence between two models needs (GKD's generalised JSD,
+    :func:`~alignlit.losses.generalized_jsd_loss`), from the model's own forward: neither the fused head nor
+    packing applies, and ``B·T·V`` floats are held, so keep the rows per call small at a large vocabulary.
+    Gradients flow when called outside ``torch.no_grad``.
+    """
+    input_ids, attention_mask = concat_response(prompt_ids, prompt_mask, response_ids, response_mask)
+    num_prompt = prompt_ids.shape[1]
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).logits[:, num_prompt - 1 : -1]  # (B, T, V)
+
+
+def scored_from_logits(
+    logits: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> TokenLogprobs:
+    """:class:`TokenLogprobs` of ``response_ids`` from :func:`response_logits`' (B, T, V) logits: the same
+    values :func:`response_token_logprobs` gives, without a second forward."""
+    mask = response_mask.bool()
+    scored = logits_scored(
+        logits, response_ids, mask, temperature=check_temperature(temperature),
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+    )  # fmt: skip
+    return _result(scored, mask)
+
+
 def response_logprobs(
     model: nn.Module,
     prompt_ids: torch.Tensor,

@@ -22,9 +22,10 @@ import torch
 
 from alignlit.checks import resolve_registered
 from alignlit.hub import Pretrained
-from alignlit.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, policy_gradient_loss
-from alignlit.models.forward import response_token_logprobs
+from alignlit.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, generalized_jsd_loss, policy_gradient_loss
+from alignlit.models.forward import response_logits, response_token_logprobs, scored_from_logits
 from alignlit.models.loading import load_policy
+from alignlit.models.scoring import check_temperature
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import frozen
 from alignlit.modules.online import OnlineModule
@@ -84,6 +85,12 @@ class PolicyGradientModule(OnlineModule):
         teacher_coef: the weight of the teacher's per-token signal.
         task_coef: the weight of the task advantage (from ``reward``) when distilling.
         teacher_dtype: the teacher's dtype (default: ``frozen_dtype``, else ``dtype``).
+        jsd_coef: weight of GKD's generalised JSD between the teacher's and the student's full next-token
+            distributions at every sampled response position (:func:`~alignlit.losses.generalized_jsd_loss`,
+            reduced by ``aggregation``), added to the loss of every minibatch; 0: off. The student's and the
+            teacher's (B, T, V) logits of a minibatch are held, not the fused head's chunks. Logged:
+            ``policy/jsd``.
+        jsd_beta: GKD's ``β``: 0 the forward KL ``KL(π_T ‖ π_θ)``, 1 the reverse KL, 0.5 the symmetric JSD.
         **kwargs: the arguments of :class:`~alignlit.modules.online.OnlineModule`.
     """
 
@@ -124,6 +131,8 @@ class PolicyGradientModule(OnlineModule):
         teacher_coef: float = 1.0,
         task_coef: float = 1.0,
         teacher_dtype: str | None = None,
+        jsd_coef: float = 0.0,
+        jsd_beta: float = 0.5,
         **kwargs,
     ):
         self.estimator = resolve_registered(
@@ -147,10 +156,14 @@ class PolicyGradientModule(OnlineModule):
             raise ValueError(f"kl_loss_estimator must be 'k1', 'k2' or 'k3', got {kl_loss_estimator!r}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
-        if teacher is None and (teacher_coef != 1.0 or task_coef != 1.0 or teacher_dtype is not None):
+        if teacher is None and (
+            teacher_coef != 1.0 or task_coef != 1.0 or teacher_dtype is not None or jsd_coef != 0.0
+        ):
             raise ValueError(
-                "teacher_coef, task_coef and teacher_dtype weigh on-policy distillation: set a teacher"
+                "teacher_coef, task_coef, teacher_dtype and jsd_coef weigh on-policy distillation: set a teacher"
             )
+        if not (jsd_coef >= 0 and 0 <= jsd_beta <= 1):
+            raise ValueError(f"jsd_coef must be >= 0 and jsd_beta in [0, 1], got {jsd_coef}, {jsd_beta}")
         if not (teacher_coef >= 0 and task_coef >= 0):
             raise ValueError(f"teacher_coef and task_coef must be >= 0, got {teacher_coef}, {task_coef}")
         super().__init__(policy, reward, **kwargs)
@@ -248,10 +261,21 @@ class PolicyGradientModule(OnlineModule):
         policy term that still runs the policy's forward and reaches every weight with a zero gradient,
         so the rank takes part in the collectives of the update like the others."""
         hp = self.hparams
-        scored = response_token_logprobs(
-            self.policy, *mb.ids, temperature=self.rollout.sampling.temperature,
-            with_entropy=True, entropy_grad=hp.entropy_coef > 0,
-        )  # fmt: skip
+        temperature = self.rollout.sampling.temperature
+        logits = response_logits(self.policy, *mb.ids) if hp.jsd_coef > 0 else None  # (B, T, V)
+        if logits is not None:  # GKD: one forward gives the full distributions and the token log-probs
+            scored = scored_from_logits(
+                logits, mb.ids[2], mb.ids[3], temperature=temperature, with_entropy=True,
+                entropy_grad=hp.entropy_coef > 0,
+            )  # fmt: skip
+        else:
+            scored = response_token_logprobs(
+                self.policy,
+                *mb.ids,
+                temperature=temperature,
+                with_entropy=True,
+                entropy_grad=hp.entropy_coef > 0,
+            )
         if not mb.loss_mask.any():
             zero = torch.where(mb.loss_mask, scored.logprobs, torch.zeros_like(scored.logprobs)).sum()
             metrics: dict[str, torch.Tensor] = {}
@@ -263,7 +287,29 @@ class PolicyGradientModule(OnlineModule):
             ref_logprobs=mb.ref_logprobs, kl_coef=hp.kl_loss_coef, kl_estimator=hp.kl_loss_estimator,
             entropy=scored.entropy, entropy_coef=hp.entropy_coef, is_weights=mb.is_weights,
         )  # fmt: skip
+        if logits is not None:
+            loss = loss + hp.jsd_coef * self.jsd_term(logits, mb, metrics)
         return self.add_ptx(loss, metrics, what="policy-gradient loss"), metrics
+
+    def jsd_term(
+        self, logits: torch.Tensor, mb: Trajectory, metrics: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """GKD's generalised JSD of the minibatch (the teacher's logits computed here, not kept in the
+        trajectory: ``N·T·V`` floats), reduced by the stage's aggregation; its token mean goes to ``metrics``."""
+        with torch.no_grad():
+            teacher = response_logits(self.teacher, *mb.ids)  # (B, T, V)
+        if teacher.shape != logits.shape:
+            raise ValueError(
+                f"teacher logits {tuple(teacher.shape)} and student logits {tuple(logits.shape)} differ: the "
+                "generalised JSD compares the full vocabularies, so both models must have the same output size"
+            )
+        jsd, jsd_metrics = generalized_jsd_loss(
+            logits, teacher, mb.loss_mask, beta=self.hparams.jsd_beta,
+            temperature=check_temperature(self.rollout.sampling.temperature),
+            aggregation=self.aggregate, max_length=self.max_length,
+        )  # fmt: skip
+        metrics.update(jsd_metrics)
+        return jsd
 
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         metrics = self.advantages(trajectory)
