@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from alignlit.cli import AlignCLI
-from tests.hubcache import hub_env
+from tests.hubcache import hub_env, make_hub_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -51,7 +51,7 @@ def _id(pair) -> str:
 
 
 def test_every_recipe_has_a_page_a_smoke_and_overlays():
-    assert len(RECIPE_PAIRS) >= 6
+    assert len(RECIPE_PAIRS) >= 7
     for recipe, smoke in RECIPE_PAIRS:
         folder = recipe.parent
         assert smoke.is_file(), f"{recipe}: no smoke overlay {smoke.name}"
@@ -96,6 +96,11 @@ def test_recipe_smoke_runs_offline_from_the_hub_cache(pair, hub_cache, tmp_path)
     for path in [export, logs, *checkpoints]:  # a rerun starts clean (the smoke's own folders only)
         assert path.is_relative_to(out)
         shutil.rmtree(path, ignore_errors=True)
+    teacher = cfg.model.init_args.get("teacher")
+    if (
+        teacher and teacher != "Qwen/Qwen2.5-0.5B-Instruct"
+    ):  # a second hub id: a tiny model of its own weights
+        make_hub_cache(hub_cache, teacher, seed=1)
     env = hub_env(
         hub_cache, {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "HF_DATASETS_OFFLINE": "1"}
     )
