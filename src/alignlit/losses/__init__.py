@@ -5,8 +5,10 @@ from alignlit.losses.dpo import dpo_loss, implicit_rewards, ipo_loss, reward_met
 from alignlit.losses.kto import kto_loss, kto_reference_point
 from alignlit.losses.lm import Reduction, masked_nll, shift_for_next_token
 from alignlit.losses.policy_gradient import (
+    AGGREGATION_UNITS,
     LOSS_AGGREGATIONS,
     LossAggregation,
+    aggregation_share,
     policy_gradient_loss,
     register_aggregation,
 )
@@ -34,6 +36,7 @@ from alignlit.losses.preference_registry import (
 from alignlit.losses.rrhf import rrhf_loss
 
 __all__ = [
+    "AGGREGATION_UNITS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
@@ -47,6 +50,7 @@ __all__ = [
     "ab_order_averaged_probability",
     "ab_preference_loss",
     "ab_probability",
+    "aggregation_share",
     "bradley_terry_loss",
     "dpo_loss",
     "entropy_bonus",

@@ -27,16 +27,28 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {}
 """Token-loss reductions by name (the value of ``aggregation`` in :func:`policy_gradient_loss`)."""
 
 
-def register_aggregation(name: str) -> Callable[[LossAggregation], LossAggregation]:
+AGGREGATION_UNITS: dict[str, str] = {}
+"""What each aggregation averages over: ``"tokens"`` (loss tokens), ``"sequences"`` (rows with a loss
+token) or ``"rows"`` (every row): how a minibatch split into micro-batches shares its loss
+(:func:`aggregation_share`)."""
+
+
+def register_aggregation(name: str, unit: str | None = None) -> Callable[[LossAggregation], LossAggregation]:
     """Decorator adding ``fn(values, mask, *, max_length) -> scalar`` to :data:`LOSS_AGGREGATIONS`.
 
-    Raises ``ValueError`` when ``name`` is already registered.
+    ``unit``: what it averages over (``"tokens"``, ``"sequences"`` or ``"rows"``), needed to split its
+    minibatches by a token budget (:func:`aggregation_share`). Raises ``ValueError`` when ``name`` is
+    already registered or the unit is unknown.
     """
+    if unit is not None and unit not in ("tokens", "sequences", "rows"):
+        raise ValueError(f"aggregation unit must be 'tokens', 'sequences' or 'rows', got {unit!r}")
 
     def decorate(fn: LossAggregation) -> LossAggregation:
         if name in LOSS_AGGREGATIONS:
             raise ValueError(f"loss aggregation {name!r} is already registered")
         LOSS_AGGREGATIONS[name] = fn
+        if unit is not None:
+            AGGREGATION_UNITS[name] = unit
         return fn
 
     return decorate
@@ -50,13 +62,13 @@ def _nonempty_rows(mask: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-@register_aggregation("token_mean")
+@register_aggregation("token_mean", unit="tokens")
 def token_mean(values: torch.Tensor, mask: torch.Tensor, *, max_length: int | None) -> torch.Tensor:
     """``Σ_{i,t} m_it·l_it / Σ_{i,t} m_it``: every valid token of the batch weighs the same (DAPO)."""
     return masked_mean(values, mask)
 
 
-@register_aggregation("seq_mean_token_mean")
+@register_aggregation("seq_mean_token_mean", unit="sequences")
 def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, *, max_length: int | None) -> torch.Tensor:
     """``mean_i (Σ_t m_it·l_it / Σ_t m_it)``: every sequence weighs the same (GRPO).
 
@@ -67,14 +79,14 @@ def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, *, max_length:
     return per_sequence.mean()
 
 
-@register_aggregation("seq_mean_token_sum")
+@register_aggregation("seq_mean_token_sum", unit="sequences")
 def seq_mean_token_sum(values: torch.Tensor, mask: torch.Tensor, *, max_length: int | None) -> torch.Tensor:
     """``mean_i Σ_t m_it·l_it``: mean over sequences (with at least one valid token) of their token sum."""
     rows = _nonempty_rows(mask)
     return masked_sum(values, mask, dim=1)[rows].mean()
 
 
-@register_aggregation("seq_mean_token_sum_norm")
+@register_aggregation("seq_mean_token_sum_norm", unit="rows")
 def seq_mean_token_sum_norm(
     values: torch.Tensor, mask: torch.Tensor, *, max_length: int | None
 ) -> torch.Tensor:
@@ -93,6 +105,41 @@ def seq_mean_token_sum_norm(
             f"max_length must be >= 1 and >= the longest response ({longest} valid tokens), got {max_length}"
         )
     return masked_sum(values, mask) / (mask.shape[0] * max_length)
+
+
+def aggregation_share(
+    aggregation: str | LossAggregation, micro_mask: torch.Tensor, full_mask: torch.Tensor
+) -> float:
+    """The weight ``w_k`` of a micro-batch's aggregated loss, so that ``Σ_k w_k · aggregate(values_k, mask_k)``
+    over micro-batches that partition a minibatch's rows equals ``aggregate(values, mask)`` of the whole.
+
+    The share of the aggregation's unit (:data:`AGGREGATION_UNITS`) the micro-batch holds: its loss tokens
+    (``"token_mean"``), its rows with a loss token (``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``) or
+    its rows (``"seq_mean_token_sum_norm"``, whose ``N · L_max`` counts every row). 0 for a micro-batch
+    without a loss token: it adds nothing (skip it).
+
+    Args:
+        aggregation: a name in :data:`LOSS_AGGREGATIONS` or a function registered with a ``unit``.
+        micro_mask: (n, T) bool loss mask of the micro-batch.
+        full_mask: (N, T) bool loss mask of the whole minibatch.
+    """
+    name = aggregation if isinstance(aggregation, str) else next(
+        (k for k, fn in LOSS_AGGREGATIONS.items() if fn is aggregation), getattr(aggregation, "__name__", "?")
+    )  # fmt: skip
+    unit = AGGREGATION_UNITS.get(name)
+    if unit is None:
+        raise ValueError(
+            f"loss aggregation {name!r} has no unit: register it with register_aggregation(name, unit=...) "
+            "('tokens', 'sequences' or 'rows') to split its minibatches by a token budget"
+        )
+    micro, full = micro_mask.bool(), full_mask.bool()
+    if not micro.any():  # nothing to add (under "rows" its rows still count in the others' denominator)
+        return 0.0
+    if unit == "rows":
+        return micro.shape[0] / full.shape[0]
+    if unit == "tokens":
+        return float(micro.sum()) / max(float(full.sum()), 1.0)
+    return float(micro.any(-1).sum()) / max(float(full.any(-1).sum()), 1.0)
 
 
 def _lookup(value: str | Callable, registry: dict[str, Callable], what: str, register_with: str) -> Callable:

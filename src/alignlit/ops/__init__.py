@@ -48,6 +48,7 @@ from alignlit.ops.stats import (
     whiten,
 )
 from alignlit.ops.token_advantages import reinforce_pp_returns, token_advantages
+from alignlit.ops.token_budget import token_budget_microbatches
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -93,6 +94,7 @@ __all__ = [
     "resolve_rollout_correction",
     "sequence_logprobs",
     "token_advantages",
+    "token_budget_microbatches",
     "truncated_is_weights",
     "whiten",
 ]
