@@ -104,8 +104,13 @@ def vllm(session: nox.Session) -> None:
 # configs/quickstart/ whose export is out/quickstart/<config name> fits this slot (online-dpo,
 # online-rrhf, grpo, rloo).
 QUICKSTART_ONLINE = ("online-dpo", "online DPO")
-# The RLVR stage: GRPO against the rule-based answer check (alignlit.rewards.SimVerifier), no reward model.
-QUICKSTART_VERIFIABLE = ("grpo-verifiable", "GRPO (verifier)")
+# The RLVR stage: GRPO against the rule-based answer check (alignlit.rewards.SimVerifier), no reward model:
+# (run name, row name, its config stack: the GRPO stage and its verifiable-reward overlay).
+QUICKSTART_VERIFIABLE = (
+    "grpo-verifiable",
+    "GRPO (verifier)",
+    ["--config", "configs/quickstart/grpo.yaml", "--config", "configs/verifiable/grpo.yaml"],
+)
 
 # (title, command, what it writes): the README's quickstart, run in order by `nox -s quickstart`.
 QUICKSTART: list[tuple[str, list[str], list[str]]] = [
@@ -171,7 +176,7 @@ QUICKSTART: list[tuple[str, list[str], list[str]]] = [
     ),
     (
         "RLVR: GRPO against the answer verifier",
-        ["alignlit", "fit", "--config", f"configs/quickstart/{QUICKSTART_VERIFIABLE[0]}.yaml"],
+        ["alignlit", "fit", *QUICKSTART_VERIFIABLE[2]],
         [f"out/quickstart/{QUICKSTART_VERIFIABLE[0]}/", f"out/quickstart/logs/{QUICKSTART_VERIFIABLE[0]}/"],
     ),
     (

@@ -26,7 +26,7 @@ are unchanged (the JSON next to each run records them), so an interrupted benchm
 
 Needs data/sim, out/paper/sft and out/paper/reward; ``--prepare`` creates the missing ones
 with the paper-scale commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
-configs/paper/sft.yaml``, ``alignlit fit --config configs/paper/reward.yaml``).
+configs/paper/sft.yaml``, ``alignlit fit --config configs/quickstart/reward.yaml --config configs/paper/reward.yaml``).
 
     python benchmarks/bench_critic_free.py --prepare                        # full run (see README)
     python benchmarks/bench_critic_free.py --rewards rm --seeds 0 --grid    # one seed, no selection
@@ -38,13 +38,17 @@ import argparse
 import itertools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_args
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "paper"
+CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
 ARMS: dict[str, tuple[str, list[str]]] = {
     "grpo": ("grpo.yaml", []),
     "dr_grpo": (
@@ -108,8 +112,8 @@ def prepare(args) -> None:
     if missing and not args.prepare:
         raise SystemExit(
             f"missing {missing}: run `python benchmarks/bench_critic_free.py --prepare` (or the paper-scale stages: "
-            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/paper/sft.yaml`, "
-            "`alignlit fit --config configs/paper/reward.yaml`)"
+            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml --config configs/paper/sft.yaml`, "
+            "`alignlit fit --config configs/quickstart/reward.yaml --config configs/paper/reward.yaml`)"
         )
     steps = args.prepare_steps
     logs = f"--trainer.logger.init_args.save_dir={Path(args.out) / 'prepare'}"
@@ -118,7 +122,7 @@ def prepare(args) -> None:
     if not (sft / "config.json").exists():
         alignlit_main(
             [
-                "fit", "--config", str(CONFIGS / "sft.yaml"), logs, "--trainer.enable_checkpointing=false",
+                "fit", *config_args("sft.yaml", CONFIGS), logs, "--trainer.enable_checkpointing=false",
                 "--trainer.callbacks=[]", f"--model.init_args.policy.init_args.tokenizer={sim / 'tokenizer'}",
                 f"--model.init_args.export_dir={sft}", f"--data.init_args.train_file={sim / 'sft_train.jsonl'}",
                 f"--data.init_args.val_file={sim / 'sft_val.jsonl'}",
@@ -128,7 +132,7 @@ def prepare(args) -> None:
     if not (rm / "config.json").exists():
         alignlit_main(
             [
-                "fit", "--config", str(CONFIGS / "reward.yaml"), logs, f"--model.init_args.model={sft}",
+                "fit", *config_args("reward.yaml", CONFIGS), logs, f"--model.init_args.model={sft}",
                 f"--model.init_args.export_dir={rm}", f"--data.init_args.train_file={sim / 'pairs_train.jsonl'}",
                 f"--data.init_args.val_file={sim / 'pairs_gold_val.jsonl'}",
                 *([f"--trainer.limit_train_batches={steps}", "--trainer.limit_val_batches=2"] if steps else []),
@@ -180,7 +184,7 @@ def run(arm: str, reward: str, setting: list[str], seed: int, args) -> dict:
     # the CLI reads an integer limit of 1 as the float 1.0, i.e. every batch: keep the limit >= 2
     eval_batch = min(50, max(1, args.val_prompts // 2))
     argv = [
-        "fit", "--config", str(CONFIGS / config), f"--seed_everything={seed}",
+        "fit", *config_args(config, CONFIGS), f"--seed_everything={seed}",
         f"--model.init_args.rollout.seed={seed}", f"--model.init_args.policy={args.sft}", *scoring,
         f"--model.init_args.ptx.file={sim / 'sft_train.jsonl'}", f"--model.init_args.ptx.val_file={sim / 'sft_val.jsonl'}",
         f"--model.init_args.gold.init_args.sim_dir={sim}", f"--model.init_args.export_dir={work / 'policy'}",

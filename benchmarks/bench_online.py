@@ -25,7 +25,7 @@ finished runs are reused when their command is unchanged, so an interrupted benc
 
 Needs data/sim, out/paper/sft and out/paper/reward; ``--prepare`` creates the missing ones with
 the paper-scale commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
-configs/paper/sft.yaml``, ``alignlit fit --config configs/paper/reward.yaml``).
+configs/paper/sft.yaml``, ``alignlit fit --config configs/quickstart/reward.yaml --config configs/paper/reward.yaml``).
 
     python benchmarks/bench_online.py --prepare                     # the full benchmark
     python benchmarks/bench_online.py --arms online-dpo offline-dpo --lp-grid
@@ -35,13 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_args
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "paper"
+CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
 ARMS = (
     "online-dpo",
     "online-dpo-lp",
@@ -101,8 +105,8 @@ def prepare(args) -> None:
     if missing and not args.prepare:
         raise SystemExit(
             f"missing {missing}: run `python benchmarks/bench_online.py --prepare` (or the paper-scale stages: "
-            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/paper/sft.yaml`, "
-            "`alignlit fit --config configs/paper/reward.yaml`)"
+            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml --config configs/paper/sft.yaml`, "
+            "`alignlit fit --config configs/quickstart/reward.yaml --config configs/paper/reward.yaml`)"
         )
     steps, logs = args.prepare_steps, f"--trainer.logger.init_args.save_dir={Path(args.out) / 'prepare'}"
     if not (sim / "manifest.json").exists():
@@ -110,7 +114,7 @@ def prepare(args) -> None:
     if not (sft / "config.json").exists():
         alignlit_main(
             [
-                "fit", "--config", str(CONFIGS / "sft.yaml"), logs, "--trainer.enable_checkpointing=false",
+                "fit", *config_args("sft.yaml", CONFIGS), logs, "--trainer.enable_checkpointing=false",
                 "--trainer.callbacks=[]", f"--model.init_args.policy.init_args.tokenizer={sim / 'tokenizer'}",
                 f"--model.init_args.export_dir={sft}", f"--data.init_args.train_file={sim / 'sft_train.jsonl'}",
                 f"--data.init_args.val_file={sim / 'sft_val.jsonl'}",
@@ -120,7 +124,7 @@ def prepare(args) -> None:
     if not (rm / "config.json").exists():
         alignlit_main(
             [
-                "fit", "--config", str(CONFIGS / "reward.yaml"), logs, f"--model.init_args.model={sft}",
+                "fit", *config_args("reward.yaml", CONFIGS), logs, f"--model.init_args.model={sft}",
                 f"--model.init_args.export_dir={rm}", f"--data.init_args.train_file={sim / 'pairs_train.jsonl'}",
                 f"--data.init_args.val_file={sim / 'pairs_gold_val.jsonl'}",
                 *([f"--trainer.limit_train_batches={steps}", "--trainer.limit_val_batches=2"] if steps else []),
@@ -150,7 +154,7 @@ def online_common(work: Path, args, config: str) -> list[str]:
     sim = Path(args.sim)
     eval_batch = min(50, max(1, args.val_prompts // 2))  # the CLI reads a limit of 1 as 100%: keep it >= 2
     return [
-        "--config", str(CONFIGS / config), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
+        *config_args(config, CONFIGS), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
         f"--model.init_args.reward={args.reward_model}", f"--model.init_args.gold.init_args.sim_dir={sim}",
         f"--model.init_args.curves_file={work / 'curves.png'}", f"--data.init_args.train_file={sim / 'prompts_train.jsonl'}",
         f"--data.init_args.val_file={sim / 'prompts_val.jsonl'}", f"--data.init_args.eval_batch_size={eval_batch}",
@@ -222,7 +226,7 @@ def offline_dpo(args, groups, sample_s: float, penalty: float, steps: int) -> di
     pairs, _ = best_worst_pairs(groups, length_penalty=penalty)
     write_jsonl(pairs, work / "pairs.jsonl")
     argv = [
-        "--config", str(CONFIGS / "dpo.yaml"), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
+        *config_args("dpo.yaml", CONFIGS), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
         f"--data.init_args.train_file={work / 'pairs.jsonl'}", f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={steps}", f"--trainer.logger.init_args.save_dir={work / 'logs'}",
     ]  # fmt: skip
@@ -232,7 +236,7 @@ def offline_dpo(args, groups, sample_s: float, penalty: float, steps: int) -> di
 def offline_rrhf(args, sample_s: float, steps: int) -> dict:
     work = Path(args.out) / "offline-rrhf"
     argv = [
-        "--config", str(CONFIGS / "rrhf.yaml"), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
+        *config_args("rrhf.yaml", CONFIGS), "--seed_everything=0", f"--model.init_args.policy={args.sft}",
         f"--data.init_args.train_file={Path(args.out) / 'offline' / 'ranked.jsonl'}", f"--trainer.max_steps={steps}",
         f"--trainer.val_check_interval={steps}", f"--trainer.logger.init_args.save_dir={work / 'logs'}",
     ]  # fmt: skip

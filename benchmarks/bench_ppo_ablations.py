@@ -26,13 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_args
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "paper"
+CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
 ARMS: dict[str, tuple[str, list[str]]] = {
     "ppo-max": ("ppo.yaml", []),
     "vanilla": ("ppo-vanilla.yaml", []),
@@ -79,8 +83,7 @@ def run_arm(name: str, args) -> dict:
     alignlit_main(
         [
             "fit",
-            "--config",
-            str(CONFIGS / config),
+            *config_args(config, CONFIGS),
             f"--model.init_args.policy={args.sft}",
             *reward,
             f"--model.init_args.export_dir={work / 'policy'}",

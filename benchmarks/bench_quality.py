@@ -45,7 +45,6 @@ continues where it stopped. The planned cells and an ETA are printed first, and 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -55,6 +54,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_args, config_sha256, config_stack, get_key, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,26 +213,11 @@ TINY_ROLLOUTS = 2  # rollouts of online stages with --tiny
 # --- configs --------------------------------------------------------------------------------------
 
 
-def read_config(path: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
-
-
-def get_key(config: dict, dotted: str):
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def out_prefix(configs: Path) -> str:
     """Where the configs write (``out/paper``): the parent of the SFT config's export directory."""
-    export = get_key(read_config(configs / "sft.yaml"), "model.init_args.export_dir")
+    export = get_key(read_config("sft", configs), "model.init_args.export_dir")
     if not export:
-        raise SystemExit(f"bench_quality: {configs / 'sft.yaml'} has no model.init_args.export_dir")
+        raise SystemExit(f"bench_quality: the sft run of {configs} has no model.init_args.export_dir")
     return str(Path(export).parent)
 
 
@@ -240,7 +227,7 @@ def settings_of(method: Method, configs: Path) -> list[dict]:
     grid = GRIDS.get(method.name, [{}])
     if isinstance(grid, tuple):
         key, factors = grid
-        base = get_key(read_config(configs / f"{method.config}.yaml"), f"model.init_args.{key}")
+        base = get_key(read_config(method.config, configs), f"model.init_args.{key}")
         if base is None:
             raise SystemExit(f"bench_quality: {method.config}.yaml sets no model.init_args.{key} to scale")
         return [{key: float(f"{float(base) * f:.3g}")} for f in factors]
@@ -363,8 +350,10 @@ def plan(methods: list[Method], configs: Path, seeds: list[int], grid_limit: int
         if m.kind in ("sft", "best_of"):
             cells += [Cell(m.name, "eval", seed=s, split="test") for s in seeds]
             continue
-        path = configs / f"{m.config}.yaml"
-        if not path.exists():
+        try:
+            config_stack(m.config, configs)
+        except FileNotFoundError:
+            path = configs / f"{m.config}.yaml"
             missing[m.name] = str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
             continue
         settings = settings_of(m, configs)[:grid_limit]
@@ -460,14 +449,12 @@ class Bench:
         ]  # fmt: skip
 
     def fit_args(self, config_name: str, seed: int, setting: dict | None = None) -> list[str]:
-        path = self.configs / config_name
         if self.args.tiny:  # --tiny sets the trainer's length itself
             setting = {k: v for k, v in (setting or {}).items() if not k.startswith("trainer.")}
         return [
             "fit",
-            "--config",
-            str(path),
-            *run_overrides(read_config(path), seed=seed, tiny=self.args.tiny),
+            *config_args(config_name, self.configs),
+            *run_overrides(read_config(config_name, self.configs), seed=seed, tiny=self.args.tiny),
             *setting_overrides(setting or {}),
         ]
 
@@ -480,7 +467,7 @@ class Bench:
         m = self.methods[method]
         if not setting or m.config is None:
             return setting
-        config = read_config(self.configs / f"{m.config}.yaml")
+        config = read_config(m.config, self.configs)
         return {k: v for k, v in setting.items() if get_key(config, config_key(k)) != v}
 
     def run_dir(self, method: str, setting: dict, seed: int) -> Path:
@@ -501,11 +488,10 @@ class Bench:
         """Train one run, unless a finished run with the same command line, config text and shared
         stages exists; returns its export directory and its record (``fit_s``, ``argv``,
         ``config_sha256``, ``shared_stamp``, ``stamp``: when it finished)."""
-        config_path = self.configs / f"{method.config}.yaml"
-        export = get_key(read_config(config_path), "model.init_args.export_dir")
+        export = get_key(read_config(method.config, self.configs), "model.init_args.export_dir")
         path = self.run_dir(method.name, setting, seed)
-        argv = self.fit_args(config_path.name, seed, self.own_setting(method.name, setting))
-        sha = hashlib.sha256(config_path.read_bytes()).hexdigest()
+        argv = self.fit_args(method.config, seed, self.own_setting(method.name, setting))
+        sha = config_sha256(method.config, self.configs)
         done = read_json(path / "fit.json")
         same = {"argv": argv, "config_sha256": sha, "shared_stamp": self.shared_stamp}
         if all(done.get(k) == v for k, v in same.items()) and (path / export / "alignlit.json").exists():

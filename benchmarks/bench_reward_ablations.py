@@ -45,7 +45,6 @@ skips the cells whose JSON matches the row's command.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shlex
 import sys
@@ -61,11 +60,11 @@ from bench_quality import (
     mean_std,
     out_prefix,
     pm,
-    read_config,
     read_json,
     run_alignlit,
     run_overrides,
 )
+from harness import config_args, config_sha256, config_stack, read_config
 
 
 @dataclass(frozen=True)
@@ -161,13 +160,14 @@ def command(row: str, configs: Path, seed: int) -> str:
     if r.members is not None:
         paths = [f"out/rm/{r.members}/seed{member_seed(seed, j)}" for j in range(3)]
         return f"RewardEnsemble({paths}, combine={r.combine!r}, normalize='data/sim/sft_val.jsonl')"
-    rel = configs.relative_to(ROOT) if configs.is_relative_to(ROOT) else configs
+    stack = [
+        str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in config_stack(r.config, configs)
+    ]
     return shlex.join(
         [
             "alignlit",
             "fit",
-            "--config",
-            str(rel / r.config),
+            *[arg for path in stack for arg in ("--config", path)],
             *r.extra,
             f"--seed_everything={seed}",
             *seed_overrides(row, seed),
@@ -222,12 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def shared_steps(args, configs: Path, prefix: str) -> list[tuple[str, list[str] | None]]:
     """The shared stages in order: ``(name, alignlit argv)`` (None: done in Python)."""
-    sft_cfg = configs / "sft.yaml"
     return [
         ("make-data", ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if args.tiny else [])]),
         (
             "sft",
-            ["fit", "--config", str(sft_cfg), *run_overrides(read_config(sft_cfg), seed=0, tiny=args.tiny)],
+            [
+                "fit",
+                *config_args("sft", configs),
+                *run_overrides(read_config("sft", configs), seed=0, tiny=args.tiny),
+            ],
         ),
         (
             "onpolicy-pairs",  # evaluation only: SFT samples on test prompts, labelled by gold
@@ -363,12 +366,10 @@ class Runner:
 
     def fit_argv(self, row: str, seed: int) -> list[str]:
         r = ROWS[row]
-        config_path = self.configs / r.config
         return [
             "fit",
-            "--config",
-            str(config_path),
-            *run_overrides(read_config(config_path), seed=seed, tiny=self.args.tiny),
+            *config_args(r.config, self.configs),
+            *run_overrides(read_config(r.config, self.configs), seed=seed, tiny=self.args.tiny),
             *r.extra,
             *seed_overrides(row, seed),
         ]
@@ -380,14 +381,14 @@ class Runner:
             return {"members": members, "combine": r.combine, "shared_stamp": self.stamp}
         return {
             "argv": self.fit_argv(row, seed),
-            "config_sha256": hashlib.sha256((self.configs / r.config).read_bytes()).hexdigest(),
+            "config_sha256": config_sha256(r.config, self.configs),
             "shared_stamp": self.stamp,
         }
 
     def export_of(self, row: str, seed: int) -> Path:
         r = ROWS[row]
         path = self.work / "runs" / row / f"seed{seed}"
-        return path / get_key(read_config(self.configs / r.config), "model.init_args.export_dir")
+        return path / get_key(read_config(r.config, self.configs), "model.init_args.export_dir")
 
     def fit(self, row: str, seed: int) -> float | None:
         """Train one cell unless its export exists with the same command; its fit seconds."""

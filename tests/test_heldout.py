@@ -1,8 +1,8 @@
 """The test prompts and the gold reward stay out of every training and selection path.
 
-- No shipped config (stage or fragment) names a test data file, and on generated data every file a
-  quickstart or paper config trains, validates or mixes in (prompts, SFT data, pairs) shares no prompt
-  with ``prompts_test``.
+- No shipped config (stage or overlay) names a test data file, and on generated data every file a
+  quickstart or paper run (its stacked configs) trains, validates or mixes in (prompts, SFT data,
+  pairs) shares no prompt with ``prompts_test``.
 - The gold reward (``alignlit.sim.SimGoldReward``) appears in a config only as ``gold:`` (validation
   logging on ``prompts_val``), never as the reward a stage trains on; the verifiable configs train on
   ``alignlit.rewards.SimVerifier``.
@@ -29,16 +29,16 @@ from alignlit.sim.multiturn import write_multiturn_sft
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
-STAGE_CONFIGS = sorted(
-    [*CONFIG_DIR.joinpath("quickstart").glob("*.yaml"), *CONFIG_DIR.joinpath("paper").glob("*.yaml")]
-)
-VERIFIABLE = sorted(p for p in STAGE_CONFIGS if p.stem.endswith("-verifiable"))
 GOLD = "alignlit.sim.SimGoldReward"
 DATA_FILE = re.compile(r"\.(jsonl|json|parquet|csv|arrow)$")
 TEST_NAME = re.compile(r"(^|[_\-.])test($|[_\-.])")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_quality  # noqa: E402
+from harness import SCALES, read_config, runs  # noqa: E402
+
+RUNS = [(scale, name) for scale in SCALES for name in runs()]  # every run of the simulated task
+VERIFIABLE = [(scale, name) for scale, name in RUNS if name.endswith("-verifiable")]
 
 
 def leaves(node, path=()):
@@ -90,15 +90,15 @@ def test_gold_reward_is_only_logged(config):
             assert path[-1] == "class_path" and path[-2] == "gold", f"{config}: {'.'.join(path)} is gold"
 
 
-@pytest.mark.parametrize("config", VERIFIABLE, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
-def test_verifiable_configs_train_on_the_verifier(config):
-    args = yaml.safe_load(config.read_text())["model"]["init_args"]
+@pytest.mark.parametrize(("scale", "name"), VERIFIABLE, ids=lambda v: v)
+def test_verifiable_configs_train_on_the_verifier(scale, name):
+    args = read_config(name, scale)["model"]["init_args"]
     assert args["reward"]["class_path"] == "alignlit.rewards.SimVerifier"
     assert args["gold"]["class_path"] == GOLD
 
 
 def test_six_verifiable_methods_at_both_scales():
-    names = {p.stem for p in VERIFIABLE}
+    names = {name for _, name in VERIFIABLE}
     methods = ("grpo", "rloo", "dr-grpo", "reinforce-pp", "dapo", "ppo")
     assert names == {f"{m}-verifiable" for m in methods}
     assert len(VERIFIABLE) == 2 * len(methods)
@@ -127,14 +127,14 @@ def prompts_of(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("config", STAGE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
-def test_config_data_shares_no_prompt_with_the_test_prompts(config, sim):
+@pytest.mark.parametrize(("scale", "name"), RUNS, ids=lambda v: v)
+def test_config_data_shares_no_prompt_with_the_test_prompts(scale, name, sim):
     test = prompts_of(sim / "data/sim/prompts_test.jsonl")
     assert len(test) == 200
-    sim_files = {k: v for k, v in data_files(yaml.safe_load(config.read_text())).items() if "data/sim/" in v}
+    sim_files = {k: v for k, v in data_files(read_config(name, scale)).items() if "data/sim/" in v}
     for key, value in sim_files.items():
         prompts = prompts_of(sim / value)
-        assert prompts and not prompts & test, f"{config}: {key} = {value} holds test prompts"
+        assert prompts and not prompts & test, f"{scale}/{name}: {key} = {value} holds test prompts"
 
 
 def load_noxfile():

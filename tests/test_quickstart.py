@@ -4,6 +4,7 @@ progress in chunks, the gold-vs-KL plot) and the planning and resume logic of th
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import shutil
 import sys
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_quality  # noqa: E402
+import harness  # noqa: E402
 
 PROMPTS = [
     "\n\nHuman: sort c a\n\nAssistant:",
@@ -166,8 +168,8 @@ def test_plan_runs_every_setting_then_every_seed_and_lists_missing_configs(confi
 
 
 def test_run_overrides_drop_checkpoints_and_shrink_tiny_runs(configs):
-    offline = bench_quality.read_config(configs / "dpo.yaml")
-    online = bench_quality.read_config(configs / "grpo.yaml")
+    offline = harness.read_config("dpo", configs)
+    online = harness.read_config("grpo", configs)
     full = bench_quality.run_overrides(online, seed=2, tiny=False)
     assert full == [
         "--seed_everything=2",
@@ -345,7 +347,7 @@ def test_the_verifiable_suite_runs_data_and_sft_only(tmp_path, monkeypatch):
     assert (
         suite.methods[-1] == "dapo-verifiable-long" and configs["dapo-verifiable-long"] == "dapo-verifiable"
     )
-    assert all((ROOT / "configs/quickstart" / f"{configs[name]}.yaml").exists() for name in suite.methods[3:])
+    assert all(harness.config_stack(configs[name], "quickstart") for name in suite.methods[3:])
     bench = bench_quality.Bench(args, bench_quality.METHODS)
     bench.shared()
     assert calls == ["make-data", "sft"]
@@ -380,7 +382,7 @@ def tiny(cmd: list[str]) -> list[str]:
             "16",
         ]
     if cmd[1] == "fit":
-        config = bench_quality.read_config(ROOT / cmd[cmd.index("--config") + 1])
+        config = harness.read_files(ROOT / c for k, c in itertools.pairwise(cmd) if k == "--config")
         return cmd[1:] + bench_quality.run_overrides(config, seed=0, tiny=True)
     if cmd[1] == "sample":
         return [*cmd[1:], "--max-prompts", "24", "--no-progress"]
@@ -393,8 +395,8 @@ def test_the_verifiable_stage_needs_only_data_and_the_sft_policy():
     """The quickstart's RLVR stage trains GRPO on the answer check from the SFT policy: no reward model,
     no samples; it runs after SFT and its export is a row of the final evaluation."""
     nox_module = load_noxfile()
-    name, row = nox_module.QUICKSTART_VERIFIABLE
-    config = bench_quality.read_config(ROOT / "configs/quickstart" / f"{name}.yaml")
+    name, row, configs = nox_module.QUICKSTART_VERIFIABLE
+    config = harness.read_config(name, "quickstart")
     args = config["model"]["init_args"]
     assert (
         args["reward"]["class_path"] == "alignlit.rewards.SimVerifier"
@@ -402,7 +404,8 @@ def test_the_verifiable_stage_needs_only_data_and_the_sft_policy():
     )
     assert "out/quickstart/reward" not in json.dumps(config)
     titles = [cmd for _, cmd, _ in nox_module.QUICKSTART]
-    stage = titles.index(["alignlit", "fit", "--config", f"configs/quickstart/{name}.yaml"])
+    assert [str(p.relative_to(ROOT)) for p in harness.config_stack(name)] == configs[1::2]
+    stage = titles.index(["alignlit", "fit", *configs])
     assert stage > titles.index(["alignlit", "fit", "--config", "configs/quickstart/sft.yaml"])
     evaluation = titles[-1]
     assert f"out/quickstart/{name}" in evaluation and row in evaluation

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Trainers and rollout engines as processes on one machine (rollout.engine: vllm_server).
 #
-#   bash examples/launch/served.sh [CONFIG] [alignlit fit arguments ...]
-#   bash examples/launch/served.sh configs/quickstart/grpo-served.yaml --trainer.limit_train_batches 4
+#   bash examples/launch/served.sh [CONFIG ...] [alignlit fit arguments ...]
+#   bash examples/launch/served.sh configs/quickstart/grpo.yaml configs/served/grpo.yaml --trainer.limit_train_batches 4
+# The leading arguments that are not options are the config files, stacked in order (default: the two above).
 #
 # 1. starts ENGINES vLLM engines, `alignlit serve POLICY --port PORT+k`, each in a process group of its own
 #    (on CPU each bound to core k mod the number of cores), logs in LOGS/engine-k.log;
 # 2. waits until every engine answers /health (an engine that exits first fails the script, naming its log);
-# 3. runs `alignlit fit --config CONFIG --trainer.devices TRAINERS` with rollout.endpoints set to the engines;
+# 3. runs `alignlit fit --config CONFIG ... --trainer.devices TRAINERS` with rollout.endpoints set to the engines;
 # 4. stops the engines whatever happened (also on Ctrl-C), and exits with alignlit fit's status.
 # Engines and trainers share one API key (every engine route but /health needs it): ALIGNLIT_API_KEY if set,
 # else a fresh random one, exported to the engines and the trainers and never printed.
@@ -19,8 +20,14 @@
 # (out/launch), ENGINE_ARGS (extra `vllm serve` arguments, default "--max-model-len 512"), READY_S (900).
 set -euo pipefail
 
-CONFIG="${1:-configs/quickstart/grpo-served.yaml}"
-shift || true
+configs=()
+while [ $# -gt 0 ] && [[ "$1" != -* ]]; do configs+=("$1"); shift; done
+[ ${#configs[@]} -gt 0 ] || configs=(configs/quickstart/grpo.yaml configs/served/grpo.yaml)
+config_args=()
+for config in "${configs[@]}"; do
+    [ -f "$config" ] || { echo "served.sh: no config $config" >&2; exit 2; }
+    config_args+=(--config "$config")
+done
 POLICY="${POLICY:-out/quickstart/sft}"
 ENGINES="${ENGINES:-2}"
 TRAINERS="${TRAINERS:-2}"
@@ -32,7 +39,6 @@ READY_S="${READY_S:-900}"
 PYTHON="${PYTHON:-python}"
 
 [ -f "$POLICY/config.json" ] || { echo "served.sh: $POLICY is not an exported model directory (no config.json)" >&2; exit 2; }
-[ -f "$CONFIG" ] || { echo "served.sh: no config $CONFIG" >&2; exit 2; }
 mkdir -p "$LOGS"
 if [ -z "${ALIGNLIT_API_KEY:-}" ]; then
     ALIGNLIT_API_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))')
@@ -90,6 +96,6 @@ done
 
 endpoints="[$(printf '"%s",' "${urls[@]}" | sed 's/,$//')]"
 status=0
-"$PYTHON" -m alignlit.cli fit --config "$CONFIG" --trainer.devices "$TRAINERS" \
+"$PYTHON" -m alignlit.cli fit "${config_args[@]}" --trainer.devices "$TRAINERS" \
     --model.init_args.rollout.endpoints "$endpoints" "$@" || status=$?
 exit "$status"

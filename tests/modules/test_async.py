@@ -259,7 +259,7 @@ def alignlit_fit(tmp_path, policy_dir, prompts_file, *extra) -> list[str]:
     each (the config's own callback), the reward by dotted path, no ptx, no validation."""
     root = pathlib.Path(__file__).resolve().parents[2]
     return [
-        sys.executable, "-m", "alignlit.cli", "fit", "--config", str(root / "configs/quickstart/grpo-async.yaml"),
+        sys.executable, "-m", "alignlit.cli", "fit", "--config", str(root / "configs/quickstart/grpo.yaml"), "--config", str(root / "configs/async/grpo.yaml"),
         f"--model.init_args.policy={policy_dir}", "--model.init_args.reward=tests.modules.test_async.char_reward",
         "--model.init_args.gold=null", "--model.init_args.ptx=null", "--model.init_args.export_dir=export",
         "--model.init_args.rollout.sampling.max_new_tokens=5", "--model.init_args.rollout.samples_per_prompt=2",

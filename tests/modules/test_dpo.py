@@ -490,8 +490,8 @@ def test_cache_dir_is_configurable_and_foreign_files_are_kept(tmp_path, tiny_pol
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["cdpo", "ipo", "simpo", "orpo"])
 def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
-    """configs/quickstart/{cdpo,ipo,simpo,orpo}.yaml run 2 steps through the command line on a tiny policy
-    and export a policy; the reference-free SimPO and ORPO write no reference cache."""
+    """configs/dpo/{cdpo,ipo,simpo,orpo}.yaml on configs/quickstart/dpo.yaml run 2 steps through the command
+    line on a tiny policy and export a policy; the reference-free SimPO and ORPO write no reference cache."""
     from alignlit.cli import main
 
     data = _pairs_file(tmp_path / "data" / "pairs.jsonl")
@@ -500,7 +500,9 @@ def test_loss_variant_configs_fit(tmp_path, tiny_policy_dir, name):
         [
             "fit",
             "--config",
-            f"configs/quickstart/{name}.yaml",
+            "configs/quickstart/dpo.yaml",
+            "--config",
+            f"configs/dpo/{name}.yaml",
             f"--model.init_args.policy={tiny_policy_dir}",
             f"--model.init_args.export_dir={out}",
             f"--data.init_args.train_file={data}",

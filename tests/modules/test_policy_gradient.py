@@ -666,20 +666,23 @@ DAPO = [
     "--model.init_args.dynamic_sampling.max_tries=2",
     "--model.init_args.overlong.mode=filter",
 ]
-CONFIGS = [
-    (ROOT / "configs/quickstart/grpo.yaml", []),
-    (ROOT / "configs/quickstart/rloo.yaml", []),
-    (ROOT / "configs/quickstart/rloo.yaml", ["--model.init_args.advantage=reinforce_pp"]),
-    (ROOT / "configs/quickstart/grpo.yaml", DAPO),
-    (ROOT / "configs/quickstart/grpo-async.yaml", []),
+GRPO, RLOO = ROOT / "configs/quickstart/grpo.yaml", ROOT / "configs/quickstart/rloo.yaml"
+CONFIGS = [  # (config stack, overrides, the run's name)
+    ([GRPO], [], "grpo"),
+    ([RLOO], [], "rloo"),
+    ([RLOO], ["--model.init_args.advantage=reinforce_pp"], "rloo"),
+    ([GRPO], DAPO, "grpo"),
+    ([GRPO, ROOT / "configs/async/grpo.yaml"], [], "grpo-async"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("config", "overrides"), CONFIGS, ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo", "grpo-async"]
+    ("configs", "overrides", "name"),
+    CONFIGS,
+    ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo", "grpo-async"],
 )
-def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
+def test_config_tiny_fit(configs, overrides, name, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
     """Each shipped config (and the README's REINFORCE++ and DAPO overrides) runs two rollouts on the tiny
     model through the CLI, with its own logger and checkpoint callback (relative paths land in tmp_path);
     model and data paths overridden."""
@@ -689,8 +692,7 @@ def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_d
     main(
         [
             "fit",
-            "--config",
-            str(config),
+            *[arg for config in configs for arg in ("--config", str(config))],
             f"--model.init_args.policy={tiny_policy_dir}",
             f"--model.init_args.reward={rm_dir}",
             "--model.init_args.gold=null",
@@ -711,9 +713,9 @@ def test_config_tiny_fit(config, overrides, tmp_path, monkeypatch, tiny_policy_d
     history = json.loads(curves.read_text())
     assert len([h for h in history if "reward/raw" in h]) == 2
     assert [h["rollout"] for h in history if "val/reward" in h] == [0.0, 2.0]  # before training, after 2
-    last = torch.load(tmp_path / f"out/quickstart/checkpoints/{config.stem}/last.ckpt", weights_only=True)
+    last = torch.load(tmp_path / f"out/quickstart/checkpoints/{name}/last.ckpt", weights_only=True)
     assert last["policy_gradient_state"]["rollout"]["rollouts"] == 2
-    if "async" in config.name:  # every sample one version older than the policy after the first step
+    if "async" in name:  # every sample one version older than the policy after the first step
         assert [h["async/staleness_max"] for h in history if "reward/raw" in h] == [0.0, 1.0]
     if overrides == DAPO:
         assert all(

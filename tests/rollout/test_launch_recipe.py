@@ -1,5 +1,5 @@
 """The single-machine launch recipe (``examples/launch/served.sh``) as a user runs it: 2 ``alignlit serve`` engine
-processes, ``alignlit fit`` of ``configs/quickstart/grpo-served.yaml`` with 2 training ranks (DDP) on them, the
+processes, ``alignlit fit`` of ``configs/quickstart/grpo.yaml`` + ``configs/served/grpo.yaml`` with 2 training ranks (DDP) on them, the
 engines stopped afterwards. Real vLLM (CPU build); run with ``nox -s vllm``."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_the_single_machine_recipe_trains_on_two_served_engines_and_stops_them(t
            "ALIGNLIT_API_KEY": KEY}  # fmt: skip
     export = tmp_path / "export"
     res = subprocess.run(
-        ["bash", str(ROOT / "examples/launch/served.sh"), str(ROOT / "configs/quickstart/grpo-served.yaml"),
+        ["bash", str(ROOT / "examples/launch/served.sh"), str(ROOT / "configs/quickstart/grpo.yaml"), str(ROOT / "configs/served/grpo.yaml"),
          f"--model.init_args.policy={policy}", "--model.init_args.reward=tests.rollout.test_launch_recipe.length_reward",
          "--model.init_args.gold=null", f"--model.init_args.export_dir={export}",
          "--model.init_args.rollout.sampling.max_new_tokens=4", "--model.init_args.rollout.samples_per_prompt=2",

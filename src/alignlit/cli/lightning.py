@@ -19,6 +19,7 @@ from alignlit.checkpoint_io import (
 )
 from alignlit.cli.config_errors import AlignArgumentParser
 from alignlit.cli.resume import config_changes, hparams_changes, refusal
+from alignlit.cli.run_dir import default_logger
 from alignlit.modules.base import AlignModule
 
 INT_OR_FRACTION = {
@@ -55,6 +56,9 @@ class AlignCLI(LightningCLI):
     - reads ``--trainer.limit_train_batches 1`` (and the other batch limits, ``overfit_batches`` and
       ``val_check_interval``) as the integer it is: Lightning annotates them ``float | int``, so the
       parser made ``1`` the float ``1.0`` — 100% of the batches instead of one;
+    - logs beside the stage's export unless the config names a logger: ``export_dir: out/quickstart/grpo``
+      makes the default logger ``CSVLogger(save_dir="out/quickstart/logs", name="grpo")``
+      (:mod:`alignlit.cli.run_dir`);
     - refuses ``--trainer.logger false`` without ``--trainer.default_root_dir``: without a logger,
       Lightning writes checkpoints, curves and ``config.yaml`` into the current directory;
     - records the full parsed config, so the stage's export says how it was made.
@@ -64,6 +68,9 @@ class AlignCLI(LightningCLI):
         argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         AlignArgumentParser.argv = argv
         self.command = ["alignlit", *argv]
+        trainer_defaults: dict[str, Any] = {"use_distributed_sampler": False}
+        if (logger := default_logger(argv)) is not None:
+            trainer_defaults["logger"] = logger
         super().__init__(
             parser_class=AlignArgumentParser,
             model_class=AlignModule,
@@ -73,7 +80,7 @@ class AlignCLI(LightningCLI):
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "alignlit"},
-            trainer_defaults={"use_distributed_sampler": False},
+            trainer_defaults=trainer_defaults,
             args=args,
             run=run,
         )
