@@ -4,12 +4,13 @@ reported on held-out test prompts over several seeds.
 Rows (``METHODS``): the SFT policy; best-of-n of the SFT policy (n = 4, 16; selected by the reward model
 and by the gold reward itself, an oracle); RFT (SFT on the reward model's best of 4); DPO (with the RPO
 SFT term), cDPO, IPO, SimPO, RRHF; online iterative DPO and online RRHF; PPO-max, vanilla PPO, GRPO and
-RLOO. Each trained row is one config, ``<configs>/<config>.yaml``; a method whose config does not exist
-is listed with "config missing", never left out.
+RLOO. Each trained row is one run's config stack (``harness.config_stack(<config>, <configs>)``: the
+quickstart base and its overlays, plus the paper overlay at paper scale); a method whose config does not
+exist is listed with "config missing", never left out.
 
 ``--suite verifiable`` is the RLVR table (README "Verifiable rewards (RLVR)"): SFT, its gold-selected
 best-of-4 and best-of-16, and GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, DAPO and PPO trained against the
-rule-based answer check (``configs/<scale>/*-verifiable.yaml``; the grid is the number of rollouts), and
+rule-based answer check (the ``*-verifiable`` runs, ``configs/verifiable/``; the grid is the number of rollouts), and
 DAPO again with longer runs chosen within its own KL budget (``Method.max_val_kl``); its shared stages
 are data and SFT only, and its table adds the share of responses the answer check accepts. It writes
 ``verifiable.{md,json}``, ``verifiable_selection.md`` and ``verifiable.png``.

@@ -103,3 +103,215 @@ def get_key(config: dict, dotted: str):
 def runs() -> list[str]:
     """Every run of the simulated task, by name: each has a paper overlay ``configs/paper/<name>.yaml``."""
     return sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml"))
+
+
+# --- where and what a result was measured on --------------------------------------------------------
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def commit() -> dict:
+    """The checkout's commit and whether it has uncommitted changes (``None`` outside git)."""
+    import subprocess
+
+    def git(*args: str) -> str | None:
+        res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    return {
+        "commit": head,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if head else None,
+    }
+
+
+def machine() -> dict:
+    """CPU model, cores this process may use, memory, Python, torch and its threads, the GPU if any."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        info["memory_gb"] = round(pages * size / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def command_line(argv: list[str] | None = None, script: str | None = None) -> str:
+    """The command that reproduces this run, as typed in a checkout: ``python benchmarks/<script> ...``."""
+    import shlex
+    import sys
+
+    argv = sys.argv if argv is None else argv
+    path = Path(script or argv[0]).resolve()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return shlex.join(["python", str(shown), *argv[1:]])
+
+
+# --- cells: cached, resumable -----------------------------------------------------------------------
+
+
+class Cells:
+    """Cells of a benchmark cached under ``work/cells/<key>.json``: a cell whose ``spec`` (what it
+    computes: its command line, settings, the stamp of what it reads) is unchanged is read back instead
+    of run again, so a stopped benchmark resumes where it stopped. Each record keeps the cell's seconds."""
+
+    def __init__(self, work: str | Path):
+        self.dir = Path(work) / "cells"
+
+    def path(self, key: str) -> Path:
+        safe = "".join(c if c.isalnum() or c in "-_.=," else "_" for c in key)
+        return self.dir / f"{safe}.json"
+
+    def get(self, key: str, spec=None):
+        """The cached result of ``key`` if it was computed with ``spec``, else ``None``."""
+        import json
+
+        path = self.path(key)
+        if not path.exists():
+            return None
+        record = json.loads(path.read_text())
+        return record["result"] if record.get("spec") == _jsonable(spec) else None
+
+    def run(self, key: str, compute, spec=None):
+        """``compute()``'s result for ``key``, computed once per ``spec`` (JSON-serialisable)."""
+        import json
+        import os
+        import time
+
+        cached = self.get(key, spec)
+        if cached is not None:
+            return cached
+        start = time.perf_counter()
+        result = compute()
+        record = {
+            "key": key,
+            "spec": _jsonable(spec),
+            "result": result,
+            "seconds": time.perf_counter() - start,
+        }
+        record["finished"] = time.time()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path(key).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        os.replace(tmp, self.path(key))  # a killed run leaves the old record or the new one, never half
+        return result
+
+
+def _jsonable(value):
+    import json
+
+    return json.loads(json.dumps(value, default=str))
+
+
+# --- results: table + JSON + plot, with the command, machine and commit ----------------------------
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
+
+    def fmt(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str,
+    data: dict,
+    *,
+    command: str | None = None,
+    table: str | None = None,
+    title: str | None = None,
+    plot=None,
+    results_dir: str | Path = RESULTS,
+) -> dict[str, Path]:
+    """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine``, ``commit``, ``date``), and with
+    ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png``.
+    ``nox -s bench -- <name>`` runs ``command`` again."""
+    import json
+    import time
+
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    command = command or command_line()
+    record = {"name": name, "command": command, **data}
+    record.setdefault("machine", machine())
+    record.setdefault("commit", commit())
+    record.setdefault("date", time.strftime("%Y-%m-%d"))
+    out = {"json": results_dir / f"{name}.json"}
+    out["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
+    if table is not None:
+        head = f"# {title}\n\n" if title else ""
+        where = record["commit"].get("commit") if isinstance(record["commit"], dict) else record["commit"]
+        foot = f"\n\nCommand: `{command}`\n\nMachine: {_machine_line(record['machine'])}; commit {where}; {record['date']}\n"
+        out["md"] = results_dir / f"{name}.md"
+        out["md"].write_text(head + table.rstrip() + foot)
+    if plot is not None:
+        out["png"] = results_dir / f"{name}.png"
+        plot(out["png"])
+    return out
+
+
+def _machine_line(info) -> str:
+    if not isinstance(info, dict):
+        return str(info)
+    parts = [info.get("cpu"), f"{info['cores']} cores" if info.get("cores") else None]
+    parts += [f"torch {info['torch']}" if info.get("torch") else None, info.get("gpu")]
+    return ", ".join(p for p in parts if p)
+
+
+# --- one command per committed result --------------------------------------------------------------
+
+
+def result_names(results_dir: str | Path = RESULTS) -> list[str]:
+    """The committed results, by name (``<name>.json`` or ``<name>.md`` under benchmarks/results/)."""
+    results_dir = Path(results_dir)
+    return sorted({p.stem for p in results_dir.iterdir() if p.suffix in (".json", ".md")})
+
+
+def result_command(name: str, results_dir: str | Path = RESULTS) -> str:
+    """The command that reproduces committed result ``name``: its JSON's ``command``, else its markdown's
+    ``Command: `...``` line."""
+    import json
+    import re
+
+    results_dir = Path(results_dir)
+    path = results_dir / f"{name}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and data.get("command"):
+            return data["command"]
+    path = results_dir / f"{name}.md"
+    if path.exists():
+        match = re.search(r"^Command: `([^`]+)`", path.read_text(), re.M)
+        if match:
+            return match.group(1)
+    raise KeyError(f"benchmarks/results/{name}: no result of that name names its command")

@@ -38,6 +38,7 @@ DOCUMENTS = sorted(
         *ROOT.joinpath("recipes").rglob("*.yaml"),
         *ROOT.joinpath("examples").rglob("*"),
         *CONFIG_DIR.rglob("*.yaml"),
+        CONFIG_DIR / "README.md",
     ]
     if p.is_file()
 )
