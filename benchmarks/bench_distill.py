@@ -1,14 +1,15 @@
 """On-policy distillation against GRPO with the verifier, from the same SFT policy, on the simulated task.
 
-The teacher is the quickstart's RLVR policy (``configs/quickstart/grpo-verifiable.yaml`` trained from the SFT
-policy with its own seed, ``--teacher-seed``), the student the SFT policy. Three arms, each the same number
+The teacher is the quickstart's RLVR policy (the ``grpo-verifiable`` run: ``configs/verifiable/grpo.yaml`` on
+``configs/quickstart/grpo.yaml``, trained from the SFT policy with its own seed, ``--teacher-seed``), the
+student the SFT policy. Three arms, each the same number
 of rollouts of 80 responses (10 prompts × 8) and the same optimiser, clipping and aggregation:
 
 - ``distill``: ``configs/quickstart/distill.yaml``, the per-token advantage ``log π_T(y_t) − log π_old(y_t)``
   (the negative reverse KL on the student's own samples); the verifier's reward is logged, not trained on;
 - ``gkd``: the same samples trained on GKD's generalised JSD (β = 0.5) over the full vocabulary
   (``jsd_coef: 1``, ``teacher_coef: 0``): no policy-gradient term;
-- ``grpo``: ``configs/quickstart/grpo-verifiable.yaml``, GRPO against the answer check; the teacher is attached
+- ``grpo``: the ``grpo-verifiable`` run, GRPO against the answer check; the teacher is attached
   with ``teacher_coef: 0`` only so that the reverse KL to it is logged along the run as for the others.
 
 Protocol: the learning rate of each arm is chosen on ``--val-prompts`` prompts of ``prompts_val`` (seed 0, the
@@ -39,8 +40,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import config_args
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs" / "quickstart"
+CONFIGS = "quickstart"  # the scale: config_args(name, CONFIGS) is the quickstart stack of run `name`
 TEACHER = "out/quickstart/teacher"
 ARMS = {
     # name: (label, config, overrides of model.init_args)
@@ -102,9 +106,9 @@ class Bench:
         times = json.loads(done.read_text()) if done.exists() else {}
         steps = [
             ("make-data", ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if self.args.tiny else [])]),
-            ("sft", ["fit", "--config", str(CONFIGS / "sft.yaml"), *quiet_trainer(0),
+            ("sft", ["fit", *config_args("sft.yaml", CONFIGS), *quiet_trainer(0),
                      *(["--trainer.max_steps=6"] if self.args.tiny else [])]),
-            ("teacher", ["fit", "--config", str(CONFIGS / "grpo-verifiable.yaml"), *quiet_trainer(self.args.teacher_seed),
+            ("teacher", ["fit", *config_args("grpo-verifiable.yaml", CONFIGS), *quiet_trainer(self.args.teacher_seed),
                          f"--model.init_args.export_dir={TEACHER}",
                          f"--trainer.limit_train_batches={3 if self.args.tiny else 60}"]),
         ]  # fmt: skip
@@ -129,7 +133,7 @@ class Bench:
         _, config, overrides = ARMS[arm]
         export = path / "export"
         argv = [
-            "fit", "--config", str(CONFIGS / config), *quiet_trainer(seed),
+            "fit", *config_args(config, CONFIGS), *quiet_trainer(seed),
             f"--trainer.limit_train_batches={self.rollouts}", f"--trainer.val_check_interval={self.val_every}",
             "--trainer.num_sanity_val_steps=-1", f"--trainer.logger.init_args.save_dir={path / 'logs'}",
             *[f"--model.init_args.{k}={v}" for k, v in overrides.items()],
