@@ -238,13 +238,30 @@ def quickstart(session: nox.Session) -> None:
     )
 
 
+def bench_harness():
+    """benchmarks/harness.py (standard library only at import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_harness", "benchmarks/harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: each prints a table and writes JSON under benchmarks/results/."""
+    """One committed result again: `nox -s bench -- NAME` runs the command benchmarks/results/NAME.json (or
+    NAME.md) names; `nox -s bench` lists every NAME and its command (some need hours, the paper-scale
+    models, shared data or vLLM: see the README's table). A path `benchmarks/bench_x.py` runs that script."""
+    harness = bench_harness()
+    if not session.posargs:
+        for name in harness.result_names():
+            session.log(f"{name}: {harness.result_command(name)}")
+        return
     install(session)
     session.install("trl==1.16.0")  # benchmarks/bench_vs_trl.py runs TRL's trainers beside alignlit's
-    scripts = session.posargs or sorted(
-        f"benchmarks/{f}" for f in os.listdir("benchmarks") if f.startswith("bench_") and f.endswith(".py")
-    )
-    for script in scripts:
-        session.run("python", script, env=ENV)
+    for name in session.posargs:
+        if name.endswith(".py"):
+            session.run("python", name, env=ENV)
+        else:  # `&&`-joined steps run in order, with the session's python first on PATH
+            session.run("bash", "-c", harness.result_command(name), env=ENV, external=True)

@@ -1,0 +1,108 @@
+"""benchmarks/harness.py: cached and resumable cells, results written with their command, machine and
+commit, and one command per committed result (what `nox -s bench -- NAME` runs)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
+
+
+def test_a_cell_runs_once_per_spec_and_resumes(tmp_path):
+    cells, calls = harness.Cells(tmp_path), []
+
+    def compute():
+        calls.append(1)
+        return {"gold": 0.5}
+
+    assert cells.run("grpo/seed0", compute, spec={"argv": ["fit", "a"]}) == {"gold": 0.5}
+    assert harness.Cells(tmp_path).run("grpo/seed0", compute, spec={"argv": ["fit", "a"]}) == {"gold": 0.5}
+    assert len(calls) == 1  # a new Cells on the same work directory resumes: the record is read back
+    cells.run("grpo/seed0", compute, spec={"argv": ["fit", "b"]})  # another spec: computed again
+    assert len(calls) == 2 and cells.get("grpo/seed0", {"argv": ["fit", "a"]}) is None
+    record = json.loads(cells.path("grpo/seed0").read_text())
+    assert record["spec"] == {"argv": ["fit", "b"]} and record["seconds"] >= 0
+    assert not list(cells.dir.glob("*.tmp"))
+
+
+def test_a_failing_cell_leaves_no_record(tmp_path):
+    cells = harness.Cells(tmp_path)
+    with pytest.raises(RuntimeError):
+        cells.run("x", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert cells.get("x") is None
+
+
+def test_results_are_table_json_and_plot_with_command_machine_and_commit(tmp_path):
+    rows = [{"method": "grpo", "gold": 0.81234}, {"method": "ppo", "gold": 0.75}]
+    plotted = []
+    out = harness.write_results(
+        "demo",
+        {"rows": rows},
+        command="python benchmarks/bench_demo.py --seeds 0",
+        table=harness.markdown_table(rows),
+        title="Demo",
+        plot=lambda path: plotted.append(path) or path.write_bytes(b"png"),
+        results_dir=tmp_path,
+    )
+    data = json.loads(out["json"].read_text())
+    assert data["command"] == "python benchmarks/bench_demo.py --seeds 0" and data["rows"] == rows
+    assert data["machine"]["cores"] >= 1 and "commit" in data["commit"] and data["date"]
+    md = out["md"].read_text()
+    assert md.startswith("# Demo\n\n| method | gold |") and "| grpo | 0.8123 |" in md
+    assert "Command: `python benchmarks/bench_demo.py --seeds 0`" in md
+    assert plotted == [tmp_path / "demo.png"]
+    assert harness.result_command("demo", tmp_path) == data["command"]
+    assert harness.result_names(tmp_path) == ["demo"]
+
+
+def test_command_line_is_relative_to_the_checkout():
+    argv = [str(ROOT / "benchmarks/bench_quality.py"), "--work", "out/bq", "--seeds", "0", "1"]
+    assert harness.command_line(argv) == "python benchmarks/bench_quality.py --work out/bq --seeds 0 1"
+
+
+@pytest.mark.parametrize("name", harness.result_names(), ids=str)
+def test_every_committed_result_names_its_command(name):
+    """`nox -s bench -- NAME` runs it: every step is a python script under benchmarks/ that exists (or
+    the quickstart), and its options are the script's."""
+    command = harness.result_command(name)
+    for step in command.split(" && "):
+        words = shlex.split(step)
+        if words[:2] == ["python3", "-m"] or words[0] == "cp":
+            continue
+        assert words[0] == "python" and (ROOT / words[1]).is_file(), step
+        source = (ROOT / words[1]).read_text()
+        for word in words[2:]:
+            if word.startswith("--"):
+                assert f'"{word.split("=")[0]}"' in source, f"{name}: {word} is not an option of {words[1]}"
+
+
+def test_config_stacks_by_name():
+    stack = harness.config_stack("grpo-verifiable", "paper")
+    assert [str(p.relative_to(ROOT)) for p in stack] == [
+        "configs/quickstart/grpo.yaml",
+        "configs/verifiable/grpo.yaml",
+        "configs/paper/grpo-verifiable.yaml",
+    ]
+    assert harness.config_stack("sft.yaml") == [ROOT / "configs/quickstart/sft.yaml"]
+    assert harness.config_args("ipo") == [
+        "--config",
+        str(ROOT / "configs/quickstart/dpo.yaml"),
+        "--config",
+        str(ROOT / "configs/dpo/ipo.yaml"),
+    ]
+    with pytest.raises(FileNotFoundError):
+        harness.config_stack("no-such-run")
+    config = harness.read_config("grpo-verifiable", "paper")
+    assert config["model"]["init_args"]["export_dir"] == "out/paper/grpo-verifiable"
+    assert config["model"]["init_args"]["reward"]["class_path"] == "alignlit.rewards.SimVerifier"
+    assert harness.merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}) == {"a": {"b": 1, "c": 3}}
+    assert harness.merge({"r": {"class_path": "A", "init_args": {"x": 1}}}, {"r": {"class_path": "B"}}) == {
+        "r": {"class_path": "B"}
+    }
