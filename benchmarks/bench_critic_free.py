@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args
+from harness import config_args, paper_stages
+from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -102,42 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def prepare(args) -> None:
-    """The paper-scale steps (configs/paper) for whichever of --sim, --sft, --reward-model is missing."""
-    from alignlit.cli import main as alignlit_main
-
+    """The paper-scale shared stages (harness.paper_stages) for whichever of --sim, --sft, --reward-model
+    is missing (with --prepare; else an error saying how to make them)."""
     sim, sft, rm = Path(args.sim), Path(args.sft), Path(args.reward_model)
-    missing = [
-        str(p) for p in (sim / "manifest.json", sft / "config.json", rm / "config.json") if not p.exists()
-    ]
-    if missing and not args.prepare:
-        raise SystemExit(
-            f"missing {missing}: run `python benchmarks/bench_critic_free.py --prepare` (or the paper-scale stages: "
-            "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml --config configs/paper/sft.yaml`, "
-            "`alignlit fit --config configs/quickstart/reward.yaml --config configs/paper/reward.yaml`)"
-        )
-    steps = args.prepare_steps
-    logs = f"--trainer.logger.init_args.save_dir={Path(args.out) / 'prepare'}"
-    if not (sim / "manifest.json").exists():
-        alignlit_main(["sim", "make-data", "--out", str(sim)])
-    if not (sft / "config.json").exists():
-        alignlit_main(
-            [
-                "fit", *config_args("sft.yaml", CONFIGS), logs, "--trainer.enable_checkpointing=false",
-                "--trainer.callbacks=[]", f"--model.init_args.policy.init_args.tokenizer={sim / 'tokenizer'}",
-                f"--model.init_args.export_dir={sft}", f"--data.init_args.train_file={sim / 'sft_train.jsonl'}",
-                f"--data.init_args.val_file={sim / 'sft_val.jsonl'}",
-                *([f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}"] if steps else []),
-            ]
-        )  # fmt: skip
-    if not (rm / "config.json").exists():
-        alignlit_main(
-            [
-                "fit", *config_args("reward.yaml", CONFIGS), logs, f"--model.init_args.model={sft}",
-                f"--model.init_args.export_dir={rm}", f"--data.init_args.train_file={sim / 'pairs_train.jsonl'}",
-                f"--data.init_args.val_file={sim / 'pairs_gold_val.jsonl'}",
-                *([f"--trainer.limit_train_batches={steps}", "--trainer.limit_val_batches=2"] if steps else []),
-            ]
-        )  # fmt: skip
+    hint = (
+        "run `python benchmarks/bench_critic_free.py --prepare` (or the paper-scale stages: "
+        "`alignlit sim make-data --out data/sim`, `alignlit fit --config configs/quickstart/sft.yaml --config "
+        "configs/paper/sft.yaml`, `alignlit fit --config configs/quickstart/reward.yaml --config "
+        "configs/paper/reward.yaml`)"
+    )
+    stages = paper_stages(sim, sft, rm, Path(args.out) / "prepare", args.prepare_steps)
+    harness_prepare(stages, make=args.prepare, hint=hint)
 
 
 def settings(grid: list[str]) -> list[list[str]]:

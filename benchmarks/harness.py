@@ -315,3 +315,45 @@ def result_command(name: str, results_dir: str | Path = RESULTS) -> str:
         if match:
             return match.group(1)
     raise KeyError(f"benchmarks/results/{name}: no result of that name names its command")
+
+
+# --- shared stages, made once -----------------------------------------------------------------------
+
+
+def paper_stages(sim: Path, sft: Path, reward: Path, logs: Path, steps: int | None = None) -> list[tuple]:
+    """``(done marker, alignlit argv)`` of the paper-scale shared stages: the simulated data, SFT and the
+    reward model on it, written to ``sim``, ``sft``, ``reward`` (logs under ``logs``, no checkpoints;
+    ``steps`` caps SFT and reward-model training, a smoke test)."""
+    log = f"--trainer.logger.init_args.save_dir={logs}"
+    return [
+        (sim / "manifest.json", ["sim", "make-data", "--out", str(sim)]),
+        (
+            sft / "config.json",
+            ["fit", *config_args("sft", "paper"), log, "--trainer.enable_checkpointing=false",
+             "--trainer.callbacks=[]", f"--model.init_args.policy.init_args.tokenizer={sim / 'tokenizer'}",
+             f"--model.init_args.export_dir={sft}", f"--data.init_args.train_file={sim / 'sft_train.jsonl'}",
+             f"--data.init_args.val_file={sim / 'sft_val.jsonl'}",
+             *([f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}"] if steps else [])],
+        ),
+        (
+            reward / "config.json",
+            ["fit", *config_args("reward", "paper"), log, f"--model.init_args.model={sft}",
+             f"--model.init_args.export_dir={reward}", f"--data.init_args.train_file={sim / 'pairs_train.jsonl'}",
+             f"--data.init_args.val_file={sim / 'pairs_gold_val.jsonl'}",
+             *([f"--trainer.limit_train_batches={steps}", "--trainer.limit_val_batches=2"] if steps else [])],
+        ),
+    ]  # fmt: skip
+
+
+def prepare(stages: list[tuple], run=None, *, make: bool = True, hint: str = "") -> None:
+    """Run each stage of ``stages`` (``(done marker, alignlit argv)``) whose marker is missing, in order,
+    with ``run(argv)`` (default: ``alignlit`` in this process); with ``make=False`` a missing one is an
+    error naming the markers and ``hint``."""
+    missing = [str(done) for done, _ in stages if not Path(done).exists()]
+    if missing and not make:
+        raise SystemExit(f"missing {missing}: {hint}")
+    if run is None:
+        from alignlit.cli import main as run
+    for done, argv in stages:
+        if not Path(done).exists():
+            run(argv)
