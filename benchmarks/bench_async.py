@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quality import mean_std, pm, read_json
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -407,7 +408,7 @@ def report(args, records: list[dict]) -> dict:
         "machine": machine(),
     }
     (results / f"{name}.json").write_text(
-        json.dumps({**meta, "rows": rows, "runs": records}, indent=1) + "\n"
+        json.dumps(stamp({**meta, "rows": rows, "runs": records}), indent=1) + "\n"
     )
     text = format_table(rows)
     (results / f"{name}.md").write_text(f"{meta['date']}, `{meta['command']}`, {meta['machine']}\n\n{text}\n")

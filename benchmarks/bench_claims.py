@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quality as bq
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 
 ROOT = bq.ROOT
 QUICKSTART_ROLLOUTS = 30
@@ -469,19 +470,21 @@ def main(argv: list[str] | None = None) -> dict:
     (results / "claims.md").write_text(md + "\n")
     (results / "claims.json").write_text(
         json.dumps(
-            {
-                "setup": {
-                    **{k: v for k, v in vars(args).items()},
-                    "date": time.strftime("%Y-%m-%d"),
-                    "command": command,
-                },
-                "shared_stage_s": shared,
-                "shared_extra_s": extra,
-                "prompt_filter": filter_report,
-                "rows": rows,
-                "curves": curves,
-                "reward_models": reward_models,
-            },
+            stamp(
+                {
+                    "setup": {
+                        **{k: v for k, v in vars(args).items()},
+                        "date": time.strftime("%Y-%m-%d"),
+                        "command": command,
+                    },
+                    "shared_stage_s": shared,
+                    "shared_extra_s": extra,
+                    "prompt_filter": filter_report,
+                    "rows": rows,
+                    "curves": curves,
+                    "reward_models": reward_models,
+                }
+            ),
             indent=1,
         )
         + "\n"

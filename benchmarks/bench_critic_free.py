@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, paper_stages
+from harness import config_args, paper_stages, stamp
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n" + table + note)
     (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
     payload = {"rows": rows, "runs": runs, "args": vars(args), "histories": histories}
-    (results / f"{args.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (results / f"{args.name}.json").write_text(json.dumps(stamp(payload), indent=1) + "\n")
     plot_curves(histories, results / f"{args.name}.png", panels=PANELS, title="critic-free vs PPO-max")
     print(f"wrote {results / args.name}.md, .json and .png")
     return rows

@@ -39,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alignlit.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _tiling, linear_logprobs
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
 
 BASELINE = "e331e12a0b8567b83f4ce3b8c37f6392dd839090"  # the last row-chunked linear_logprobs
@@ -134,7 +135,9 @@ def main() -> None:
                 }
             )
             payload["machine"]["load_average"] = os.getloadavg()
-            out.write_text(json.dumps(payload, indent=2) + "\n")  # after each cell: a cut run keeps its cells
+            out.write_text(
+                json.dumps(stamp(payload), indent=2) + "\n"
+            )  # after each cell: a cut run keeps its cells
             print(f"{name:<32} entropy={entropy!s:<5} {seconds:8.2f} s {peak / 2**20:9.1f} MB", flush=True)
     print(f"wrote {out}")
 

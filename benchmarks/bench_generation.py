@@ -34,6 +34,7 @@ import torch
 
 from alignlit.models import export_pretrained, make_tiny_llama, train_bpe_tokenizer
 from alignlit.rollout import HFEngine, SamplingParams, VLLMEngine, logprob_parity
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 
 ENGINES = {  # name: HFEngine options (None: vLLM)
     "hf": {},
@@ -186,7 +187,7 @@ def main() -> None:
         "notes": notes,
         "results": results,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
     print(f"wrote {out}")
 
 

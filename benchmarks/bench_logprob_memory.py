@@ -43,6 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignlit.models.forward import token_logprobs
 from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
 
 
@@ -202,7 +203,7 @@ def main() -> None:
         "results": results,
         "failures": failures,
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
     print(f"wrote {out}")
     if failures:
         raise SystemExit("; ".join(failures))

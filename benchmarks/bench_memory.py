@@ -43,6 +43,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
+
 WORKLOADS = ("sft", "dpo", "reward", "grpo")
 VARIANTS = {  # name: (side, flags)
     "alignlit": ("alignlit", []),
@@ -290,14 +292,14 @@ def main() -> None:
             )
             print(f"  {workload} L={length} {variant}: {status}", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(payload, indent=2) + "\n")
+            out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
     order = {(w, length, v): i for i, (w, length, v) in enumerate(
         (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
     payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))
     markdown = table(payload["cells"], args)
     print(markdown)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown + "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")
 

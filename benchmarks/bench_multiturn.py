@@ -41,6 +41,7 @@ from alignlit.models import load_policy
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule
 from alignlit.rollout import EpisodeReturn, HFEngine, RolloutLoop, SamplingParams, run_episodes
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STATS = ("gold", "turns", "first_right", "hinted", "second_right_after_hint", "model_tokens")
@@ -354,7 +355,7 @@ def main() -> None:
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(table + "\n")
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(stamp(report), indent=1) + "\n")
     plot(report, RESULTS / f"{args.name}.png")
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, paper_stages
+from harness import config_args, paper_stages, stamp
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\n" + table + note)
     (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
     payload = {"rows": rows, "runs": runs, "args": vars(args), "curves": curves}
-    (results / f"{args.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (results / f"{args.name}.json").write_text(json.dumps(stamp(payload), indent=1) + "\n")
     if curves:
         plot_curves(
             curves, results / f"{args.name}.png", panels=PANELS, title="online vs offline (paper scale)"

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args
+from harness import config_args, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -224,14 +224,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
     (results / f"{args.name}.json").write_text(
         json.dumps(
-            {
-                "rows": rows,
-                "reward_model": args.reward_model,
-                "rollouts": args.rollouts,
-                "prompts": len(prompts),
-                "histories": histories,
-                "overrides": args.set,
-            },
+            stamp(
+                {
+                    "rows": rows,
+                    "reward_model": args.reward_model,
+                    "rollouts": args.rollouts,
+                    "prompts": len(prompts),
+                    "histories": histories,
+                    "overrides": args.set,
+                }
+            ),
             indent=1,
             default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,
         )

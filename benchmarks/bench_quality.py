@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, config_sha256, config_stack, get_key, read_config
+from harness import config_args, config_sha256, config_stack, get_key, read_config, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -846,23 +846,25 @@ def main(argv: list[str] | None = None) -> dict:
     slim_selection = [{k: v for k, v in r.items() if k != "prompt_gold"} for r in selection]
     (results / f"{suite.name}.json").write_text(
         json.dumps(
-            {
-                "setup": {
-                    "suite": suite.name,
-                    "configs": Path(args.configs).name,
-                    "seeds": args.seeds,
-                    "val_prompts": args.val_prompts,
-                    "test_prompts": args.test_prompts,
-                    "tiny": args.tiny,
-                    "selection": not args.no_grid,
-                    "max_val_kl": args.max_val_kl,
-                    "row_max_val_kl": {m.name: m.max_val_kl for m in methods if m.max_val_kl is not None},
-                    "date": time.strftime("%Y-%m-%d"),
-                    "shared_stage_s": shared_times,
-                },
-                "table": table,
-                "selection": slim_selection,
-            },
+            stamp(
+                {
+                    "setup": {
+                        "suite": suite.name,
+                        "configs": Path(args.configs).name,
+                        "seeds": args.seeds,
+                        "val_prompts": args.val_prompts,
+                        "test_prompts": args.test_prompts,
+                        "tiny": args.tiny,
+                        "selection": not args.no_grid,
+                        "max_val_kl": args.max_val_kl,
+                        "row_max_val_kl": {m.name: m.max_val_kl for m in methods if m.max_val_kl is not None},
+                        "date": time.strftime("%Y-%m-%d"),
+                        "shared_stage_s": shared_times,
+                    },
+                    "table": table,
+                    "selection": slim_selection,
+                }
+            ),
             indent=1,
             default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,
         )

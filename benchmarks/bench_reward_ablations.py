@@ -64,7 +64,7 @@ from bench_quality import (
     run_alignlit,
     run_overrides,
 )
-from harness import config_args, config_sha256, config_stack, read_config
+from harness import config_args, config_sha256, config_stack, read_config, stamp
 
 
 @dataclass(frozen=True)
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "shared_stage_s": shared,
     }
     (results / "reward_ablations.json").write_text(
-        json.dumps({"setup": setup, "table": table}, indent=1) + "\n"
+        json.dumps(stamp({"setup": setup, "table": table}), indent=1) + "\n"
     )
     print(f"bench_reward_ablations: wrote {results}/reward_ablations.{{md,json}}")
     if runner.failed and not args.report:

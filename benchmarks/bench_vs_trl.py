@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 from vs_trl_online import (
     ONLINE_WORKLOADS,
     MemoryWindow,
@@ -676,7 +677,7 @@ def main() -> None:
         "online_results": online_results,
         "failures": failures,
     }  # fmt: skip
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
     print(f"wrote {out}")
     if failures:
         raise SystemExit("; ".join(failures))

@@ -29,6 +29,7 @@ from alignlit.rollout import SamplingParams, check_parity
 from alignlit.rollout.endpoint import EngineProcess
 from alignlit.rollout.engine_auth import new_api_key
 from alignlit.rollout.server import ServedVLLMEngine
+from harness import stamp  # benchmarks/ is on sys.path when a script runs
 
 
 def _free_port() -> int:
@@ -134,7 +135,7 @@ def main() -> None:
         "results": results,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps(stamp(out), indent=2) + "\n")
     table = markdown(out)
     Path(args.out).with_suffix(".md").write_text(table)
     print(table)

@@ -357,3 +357,16 @@ def prepare(stages: list[tuple], run=None, *, make: bool = True, hint: str = "")
     for done, argv in stages:
         if not Path(done).exists():
             run(argv)
+
+
+def stamp(payload: dict, command: str | None = None) -> dict:
+    """``payload`` as a committed result: its ``command`` first (``nox -s bench -- NAME`` runs it), then
+    its own keys, and ``commit``, ``date`` and ``machine`` (the script's own machine keys kept)."""
+    import time
+
+    own = payload.get("machine")
+    record = {"command": command or command_line(), **payload}
+    record["machine"] = {**machine(), **own} if isinstance(own, dict) else own or machine()
+    record.setdefault("commit", commit())
+    record.setdefault("date", time.strftime("%Y-%m-%d"))
+    return record
