@@ -39,13 +39,12 @@ import itertools
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, paper_stages, stamp
+from harness import config_args, fit_once, paper_stages, stamp
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,16 +171,8 @@ def run(arm: str, reward: str, setting: list[str], seed: int, args) -> dict:
         "--trainer.callbacks=[]", *shape, *arm_overrides, *setting,
         *[f"--{kv}" if not kv.startswith("--") else kv for kv in args.set],
     ]  # fmt: skip
-    record = work / "run.json"
-    if record.exists():
-        done = json.loads(record.read_text())
-        if done["argv"] == argv and (work / "policy" / "config.json").exists():
-            return {**done, "history": json.loads((work / "curves.json").read_text())}
-    start = time.perf_counter()
-    alignlit_main(argv)
-    done = {"arm": arm, "reward": reward, "setting": setting, "seed": seed, "argv": argv}
-    done.update(policy=str(work / "policy"), fit_s=time.perf_counter() - start)
-    record.write_text(json.dumps(done, indent=1) + "\n")
+    record = {"arm": arm, "reward": reward, "setting": setting, "seed": seed}
+    done = fit_once(work, argv, record, run=alignlit_main)
     return {**done, "history": json.loads((work / "curves.json").read_text())}
 
 

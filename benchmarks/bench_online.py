@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, paper_stages, stamp
+from harness import config_args, fit_once, paper_stages, stamp
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,16 +115,7 @@ def fit(work: Path, argv: list[str], args, extra_s: float = 0.0) -> dict:
 
     argv = ["fit", *argv, f"--model.init_args.export_dir={work / 'policy'}"]
     argv += [f"--{kv}" if not kv.startswith("--") else kv for kv in args.set]
-    record = work / "run.json"
-    if record.exists():
-        done = json.loads(record.read_text())
-        if done["argv"] == argv and (work / "policy" / "config.json").exists():
-            return done
-    start = time.perf_counter()
-    alignlit_main(argv)
-    done = {"argv": argv, "policy": str(work / "policy"), "fit_s": time.perf_counter() - start + extra_s}
-    record.write_text(json.dumps(done, indent=1) + "\n")
-    return done
+    return fit_once(work, argv, extra_s=extra_s, run=alignlit_main)
 
 
 def online_common(work: Path, args, config: str) -> list[str]:

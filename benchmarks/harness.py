@@ -370,3 +370,29 @@ def stamp(payload: dict, command: str | None = None) -> dict:
     record.setdefault("commit", commit())
     record.setdefault("date", time.strftime("%Y-%m-%d"))
     return record
+
+
+def fit_once(work: Path, argv: list[str], record: dict | None = None, extra_s: float = 0.0, run=None) -> dict:
+    """A training cell: ``alignlit <argv>`` (in this process by default), unless ``work/run.json`` records
+    the same ``argv`` and the export ``work/policy`` is complete; returns the run's record
+    (``record``'s keys, ``argv``, ``policy``, ``fit_s``: its wall time plus ``extra_s``)."""
+    import json
+    import time
+
+    path, policy = Path(work) / "run.json", Path(work) / "policy"
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done["argv"] == argv and (policy / "config.json").exists():
+            return done
+    if run is None:
+        from alignlit.cli import main as run
+    start = time.perf_counter()
+    run(argv)
+    done = {
+        **(record or {}),
+        "argv": argv,
+        "policy": str(policy),
+        "fit_s": time.perf_counter() - start + extra_s,
+    }
+    path.write_text(json.dumps(done, indent=1) + "\n")
+    return done

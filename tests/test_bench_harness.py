@@ -106,3 +106,35 @@ def test_config_stacks_by_name():
     assert harness.merge({"r": {"class_path": "A", "init_args": {"x": 1}}}, {"r": {"class_path": "B"}}) == {
         "r": {"class_path": "B"}
     }
+
+
+def test_a_training_cell_reuses_a_finished_run_with_the_same_command(tmp_path):
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        (tmp_path / "policy").mkdir(exist_ok=True)
+        (tmp_path / "policy" / "config.json").write_text("{}")
+
+    first = harness.fit_once(tmp_path, ["fit", "--config", "a.yaml"], {"arm": "grpo"}, extra_s=2.0, run=run)
+    again = harness.fit_once(tmp_path, ["fit", "--config", "a.yaml"], {"arm": "grpo"}, run=run)
+    assert again == first and len(calls) == 1 and first["fit_s"] >= 2.0
+    assert list(first) == ["arm", "argv", "policy", "fit_s"]
+    harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
+    assert len(calls) == 2  # another command line: trained again
+
+
+def test_paper_stages_are_made_once_in_order(tmp_path):
+    stages = harness.paper_stages(
+        tmp_path / "sim", tmp_path / "sft", tmp_path / "rm", tmp_path / "logs", steps=3
+    )
+    assert [argv[0] for _, argv in stages] == ["sim", "fit", "fit"]
+    assert "--trainer.max_steps=3" in stages[1][1] and str(ROOT / "configs/paper/sft.yaml") in stages[1][1]
+    ran = []
+    harness.prepare(stages[:1], run=lambda argv: ran.append(argv) or (tmp_path / "sim").mkdir())
+    assert ran == [stages[0][1]]
+    (tmp_path / "sim" / "manifest.json").write_text("{}")
+    harness.prepare(stages[:1], run=ran.append)
+    assert len(ran) == 1  # made once
+    with pytest.raises(SystemExit, match=r"missing .*sft/config\.json.*: run --prepare"):
+        harness.prepare(stages, run=ran.append, make=False, hint="run --prepare")
