@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args
+from harness import config_args, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "quickstart"  # the scale: config_args(name, CONFIGS) is the quickstart stack of run `name`
@@ -306,7 +306,7 @@ def write_results(result: dict, args, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "distill.md").write_text("\n".join(lines) + "\n")
     (results / "distill.json").write_text(
-        json.dumps({"command": command, "commit": commit, "machine": machine, **result}, indent=1) + "\n"
+        json.dumps(stamp({"commit": commit, "machine": machine, **result}, command=command), indent=1) + "\n"
     )
 
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))

@@ -16,6 +16,10 @@ training curves: the largest KL(π‖π0) and response length seen during traini
 table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the arms' training curves
 in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
+The benchmark is a list of cells (benchmarks/harness.py): one training cell per arm (reused when
+``<out>/<arm>/run.json`` records the same command and the export is complete) and one evaluation cell
+per policy (cached under ``<out>/cells/`` with the policy's training command), so a stopped run resumes.
+
     python benchmarks/bench_ppo_ablations.py                         # RM: out/paper/reward
     python benchmarks/bench_ppo_ablations.py --reward-model gold --name ppo_ablations_gold  # oracle RM
     python benchmarks/bench_ppo_ablations.py --arms ppo-max vanilla --rollouts 40
@@ -27,13 +31,12 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, stamp
+from harness import Cells, command_line, config_args, fit_once, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -66,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_arm(name: str, args) -> dict:
-    """Fit one arm through the CLI; returns its export directory, training history and wall time."""
+    """The arm's training cell (harness.fit_once): fit it through the CLI unless the same run finished;
+    returns its export directory, command, training history and wall time."""
     from alignlit.cli import main as alignlit_main
 
     config, overrides = ARMS[name]
@@ -79,28 +83,24 @@ def run_arm(name: str, args) -> dict:
         if args.reward_model == "gold"
         else [f"--model.init_args.reward={args.reward_model}"]
     )
-    start = time.perf_counter()
-    alignlit_main(
-        [
-            "fit",
-            *config_args(config, CONFIGS),
-            f"--model.init_args.policy={args.sft}",
-            *reward,
-            f"--model.init_args.export_dir={work / 'policy'}",
-            f"--model.init_args.curves_file={work / 'curves.png'}",
-            f"--trainer.limit_train_batches={args.rollouts}",
-            "--trainer.max_epochs=1",
-            f"--trainer.val_check_interval={max(1, args.rollouts // 4)}",
-            f"--trainer.logger.init_args.save_dir={work / 'logs'}",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.callbacks=[]",
-            *overrides,
-            *[f"--{kv}" if not kv.startswith("--") else kv for kv in args.set],
-        ]
-    )
-    elapsed = time.perf_counter() - start
-    history = json.loads((work / "curves.json").read_text())
-    return {"policy": str(work / "policy"), "history": history, "fit_s": elapsed}
+    argv = [
+        "fit",
+        *config_args(config, CONFIGS),
+        f"--model.init_args.policy={args.sft}",
+        *reward,
+        f"--model.init_args.export_dir={work / 'policy'}",
+        f"--model.init_args.curves_file={work / 'curves.png'}",
+        f"--trainer.limit_train_batches={args.rollouts}",
+        "--trainer.max_epochs=1",
+        f"--trainer.val_check_interval={max(1, args.rollouts // 4)}",
+        f"--trainer.logger.init_args.save_dir={work / 'logs'}",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.callbacks=[]",
+        *overrides,
+        *[f"--{kv}" if not kv.startswith("--") else kv for kv in args.set],
+    ]
+    done = fit_once(work, argv, {"arm": name}, run=alignlit_main)
+    return {**done, "history": json.loads((work / "curves.json").read_text())}
 
 
 @torch.no_grad()
@@ -203,12 +203,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompts = [parse_prompt(r) for r in read_records(Path(args.sim) / "prompts_test.jsonl")][: args.n_prompts]
     reference = load_policy(args.sft)[0].eval()
 
-    rows = [{"arm": "sft", **evaluate("sft", args.sft, args, prompts, task, reference)}]
+    cells = Cells(args.out)
+    spec = {"prompts": len(prompts), "sim": args.sim, "reference": args.sft}
+
+    def evaluation(name: str, policy: str, trained) -> dict:
+        """An evaluation cell: cached for this policy, its training command and the test prompts."""
+        compute = lambda: evaluate(name, policy, args, prompts, task, reference)  # noqa: E731
+        exported = (
+            (Path(policy) / "config.json").stat().st_mtime
+        )  # a policy exported again is evaluated again
+        return cells.run(
+            f"eval-{name}", compute, {**spec, "policy": policy, "trained": trained, "at": exported}
+        )
+
+    rows = [{"arm": "sft", **evaluation("sft", args.sft, None)}]
     histories = {}
     for name in args.arms:
         run = run_arm(name, args)
         histories[name] = run["history"]
-        row = {"arm": name, **evaluate(name, run["policy"], args, prompts, task, reference)}
+        row = {"arm": name, **evaluation(name, run["policy"], run["argv"])}
         row.update(stability(run["history"]), fit_s=run["fit_s"])
         rows.append(row)
         print(format_rows(rows), flush=True)
@@ -232,7 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "prompts": len(prompts),
                     "histories": histories,
                     "overrides": args.set,
-                }
+                },
+                command=command_line([__file__, *(sys.argv[1:] if argv is None else argv)]),
             ),
             indent=1,
             default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,

@@ -69,6 +69,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_memory import QWEN  # noqa: E402
+from harness import stamp  # noqa: E402
 
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl.gz")
 if not GSM8K.is_file():
@@ -479,7 +480,7 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "real_shape_tiny" if args.tiny else "real_shape"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(stamp(result, command=result["command"]), indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     print(f"wrote {out / name}.json and .md")
