@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, stamp
+from harness import config_args, run_alignlit, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "quickstart"  # the scale: config_args(name, CONFIGS) is the quickstart stack of run `name`
@@ -63,27 +63,6 @@ ARMS = {
 LR_FACTORS = (1.0, 2.0, 4.0)
 BASE_LR = 2.5e-5  # both configs' optim.lr
 TINY_DATA = ["--n-sft", "2000", "--n-pairs", "400", "--n-prompts", "200", "--n-val", "64", "--n-test", "64"]
-
-
-def run_alignlit(argv: list[str], cwd: Path, log: Path) -> float:
-    """``alignlit <argv>`` in ``cwd``, output to ``log``; its wall time. A failure raises with the log's tail."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    start = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "alignlit.cli", *argv],
-            cwd=cwd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"alignlit {' '.join(argv[:3])} failed (log {log}):\n"
-            + "\n".join(log.read_text().splitlines()[-15:])
-        )
-    return time.perf_counter() - start
 
 
 def quiet_trainer(seed: int) -> list[str]:
@@ -117,7 +96,7 @@ class Bench:
             if name in times:
                 continue
             print(f"bench_distill: {name}: alignlit {' '.join(argv)}", flush=True)
-            times[name] = run_alignlit(argv, self.root, self.work / "logs" / f"{name}.log")
+            times[name] = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
             done.write_text(json.dumps(times, indent=1) + "\n")
         return times
 
@@ -141,7 +120,7 @@ class Bench:
         ]  # fmt: skip
         load = os.getloadavg()[0]
         print(f"bench_distill: {arm} lr={lr:g} seed {seed} (load {load:.2f})", flush=True)
-        fit_s = run_alignlit(argv, self.root, path / "fit.log")
+        fit_s = run_alignlit(f"{arm} seed {seed}", argv, self.root, path / "fit.log")
         history = json.loads(next((path / "logs").rglob("policy_gradient_curves.json")).read_text())
         record = {"arm": arm, "lr": lr, "seed": seed, "fit_s": fit_s, "load_at_start": load, "argv": argv,
                   "history": history, "export": str(export)}  # fmt: skip

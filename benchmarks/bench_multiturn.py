@@ -41,7 +41,7 @@ from alignlit.models import load_policy
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule
 from alignlit.rollout import EpisodeReturn, HFEngine, RolloutLoop, SamplingParams, run_episodes
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import cached, stamp  # benchmarks/ is on sys.path when a script runs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STATS = ("gold", "turns", "first_right", "hinted", "second_right_after_hint", "model_tokens")
@@ -161,16 +161,6 @@ def evaluate(args, policy_dir: str, prompts: list[str], arm: str) -> dict[str, f
         "second_right_after_hint": (sum(second_right) / len(second_right)) if second_right else float("nan"),
         "model_tokens": sum(stats.model_tokens) / len(prompts),
     }
-
-
-def cached(path: Path, make, *make_args):
-    """``make(*make_args)``'s JSON result, computed once and kept at ``path``."""
-    if path.exists():
-        return json.loads(path.read_text())
-    value = make(*make_args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=1) + "\n")
-    return value
 
 
 def prompts_of(path: str, count: int) -> list[str]:

@@ -48,16 +48,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, config_sha256, config_stack, get_key, read_config, stamp
+from harness import (
+    config_args,
+    config_sha256,
+    config_stack,
+    get_key,
+    read_config,
+    read_json,
+    run_alignlit,
+    stamp,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,39 +290,6 @@ def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
             if online:
                 out += ["--trainer.limit_val_batches=1"]
     return out
-
-
-def run_alignlit(name: str, argv: list[str], cwd: Path, log: Path) -> float:
-    """``alignlit <argv>`` in ``cwd`` as a subprocess, output to ``log``; returns its wall time.
-    A failure raises RuntimeError with the log's last lines."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    start = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "alignlit.cli", *argv],
-            cwd=cwd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = log.read_text().splitlines()[-15:]
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}; log {log}):\n" + "\n".join(tail))
-    return elapsed
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def write_cell(path: Path, record: dict) -> None:
-    """A cell's result JSON, written to a temporary sibling and renamed (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(path)
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -562,7 +537,7 @@ class Bench:
             "eval_s": eval_s,
             "stamp": stamp,
         }
-        write_cell(cell_file, record)
+        write_json(cell_file, record)
         return record
 
     # the whole benchmark

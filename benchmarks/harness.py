@@ -396,3 +396,60 @@ def fit_once(work: Path, argv: list[str], record: dict | None = None, extra_s: f
     }
     path.write_text(json.dumps(done, indent=1) + "\n")
     return done
+
+
+# --- running alignlit, JSON records ------------------------------------------------------------------
+
+
+def run_alignlit(name: str, argv: list[str], cwd: Path, log: Path, env: dict | None = None) -> float:
+    """``alignlit <argv>`` in ``cwd`` as a subprocess, output to ``log``; returns its wall time. A failure
+    raises RuntimeError naming ``name``, the exit status and the log's last lines."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = env or {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "alignlit.cli", *argv],
+            cwd=cwd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = log.read_text().splitlines()[-15:]
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}; log {log}):\n" + "\n".join(tail))
+    return elapsed
+
+
+def read_json(path: Path) -> dict:
+    """The JSON record at ``path``, or ``{}`` when there is none yet."""
+    import json
+
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_json(path: Path, record, indent: int | None = None) -> None:
+    """A JSON record written to a temporary sibling and renamed into place (never half-written)."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=indent) + "\n")
+    tmp.replace(path)
+
+
+def cached(path: Path, make, *make_args):
+    """``make(*make_args)``'s JSON result, computed once and kept at ``path``."""
+    import json
+
+    if path.exists():
+        return json.loads(path.read_text())
+    value = make(*make_args)
+    write_json(path, value, indent=1)
+    return value

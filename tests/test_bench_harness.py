@@ -138,3 +138,23 @@ def test_paper_stages_are_made_once_in_order(tmp_path):
     assert len(ran) == 1  # made once
     with pytest.raises(SystemExit, match=r"missing .*sft/config\.json.*: run --prepare"):
         harness.prepare(stages, run=ran.append, make=False, hint="run --prepare")
+
+
+def test_json_records_are_atomic_and_cached_once(tmp_path):
+    harness.write_json(tmp_path / "a" / "cell.json", {"gold": 1.0})
+    assert harness.read_json(tmp_path / "a" / "cell.json") == {"gold": 1.0}
+    assert harness.read_json(tmp_path / "none.json") == {} and not list(tmp_path.rglob("*.tmp"))
+    calls = []
+    make = lambda x: calls.append(x) or {"x": x}  # noqa: E731
+    assert (
+        harness.cached(tmp_path / "c.json", make, 3)
+        == {"x": 3}
+        == harness.cached(tmp_path / "c.json", make, 4)
+    )
+    assert calls == [3]
+
+
+def test_a_failing_alignlit_run_names_itself_and_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"demo failed \(exit 2; log .*fit\.log\)"):
+        harness.run_alignlit("demo", ["fit", "--no-such-option"], tmp_path, tmp_path / "fit.log")
+    assert (tmp_path / "fit.log").read_text()
