@@ -43,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_quality import mean_std, pm, read_json
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import prepare as harness_prepare
+from harness import quickstart_stages, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -75,15 +76,12 @@ def run_alignlit(argv: list[str], cwd: Path, log: Path, env: dict) -> tuple[floa
 
 def prepare(root: Path, env: dict) -> None:
     """The quickstart's data, SFT policy and reward model, unless they exist."""
-    steps = [
-        (root / "data/sim/manifest.json", ["sim", "make-data", "--out", "data/sim"]),
-        (root / "out/quickstart/sft/config.json", ["fit", "--config", str(ROOT / "configs/quickstart/sft.yaml")]),
-        (root / "out/quickstart/reward/config.json", ["fit", "--config", str(ROOT / "configs/quickstart/reward.yaml")]),
-    ]  # fmt: skip
-    for done, argv in steps:
-        if not done.exists():
-            print(f"prepare: alignlit {' '.join(argv)}", flush=True)
-            run_alignlit(argv, root, root / "out/bench_async/logs" / f"prepare_{argv[0]}.log", env)
+
+    def run(argv: list[str]) -> None:
+        print(f"prepare: alignlit {' '.join(argv)}", flush=True)
+        run_alignlit(argv, root, root / "out/bench_async/logs" / f"prepare_{argv[0]}.log", env)
+
+    harness_prepare(quickstart_stages(root), run)
 
 
 PHASES = {

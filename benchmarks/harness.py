@@ -453,3 +453,13 @@ def cached(path: Path, make, *make_args):
     value = make(*make_args)
     write_json(path, value, indent=1)
     return value
+
+
+def quickstart_stages(root: Path) -> list[tuple]:
+    """``(done marker, alignlit argv)`` of the quickstart's shared stages as a checkout at ``root`` runs
+    them (relative paths, run with ``cwd=root``): the simulated data, SFT, the reward model."""
+    return [
+        (root / "data/sim/manifest.json", ["sim", "make-data", "--out", "data/sim"]),
+        (root / "out/quickstart/sft/config.json", ["fit", *config_args("sft")]),
+        (root / "out/quickstart/reward/config.json", ["fit", *config_args("reward")]),
+    ]
