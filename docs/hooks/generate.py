@@ -88,7 +88,11 @@ def _class_keys(cls: type) -> list[tuple[str, object, object, str]]:
     rows = []
     for action in parser._actions:
         dest = action.dest
-        if not dest.startswith("x.") or dest.endswith(".help") or type(action).__name__ == "_ActionConfigLoad":
+        if (
+            not dest.startswith("x.")
+            or dest.endswith(".help")
+            or type(action).__name__ == "_ActionConfigLoad"
+        ):
             continue
         hint = getattr(action, "_typehint", None)
         default = action.default
@@ -131,7 +135,11 @@ def _first_paragraph(cls: type) -> str:
 def config_page(cls: type, group: str) -> str:
     """One stage's or DataModule's keys, with the nested groups its types name (each class once)."""
     class_path = f"alignlit.{cls.__module__.split('.')[1]}.{cls.__name__}"
-    out = [f"# `{cls.__name__}`\n", f"`{group}: {{class_path: {class_path}}}`\n", _first_paragraph(cls) + "\n"]
+    out = [
+        f"# `{cls.__name__}`\n",
+        f"`{group}: {{class_path: {class_path}}}`\n",
+        _first_paragraph(cls) + "\n",
+    ]
     users = _configs_using(class_path)
     if users:
         out.append("Shipped configs that use it: " + ", ".join(f"`{u}`" for u in users) + ".\n")
@@ -187,7 +195,8 @@ def stage_classes() -> tuple[list[type], list[type]]:
 
 def cli_page() -> str:
     """``alignlit --help`` and every tool's ``--help``, from the parsers the commands use."""
-    from alignlit.cli import USAGE, eval as eval_cli, eval_data, sample, score, serve, sim
+    from alignlit.cli import USAGE, eval_data, sample, score, serve, sim
+    from alignlit.cli import eval as eval_cli
 
     def help_of(parser: argparse.ArgumentParser, prog: str) -> str:
         parser.prog = prog

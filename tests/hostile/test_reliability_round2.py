@@ -38,7 +38,7 @@ from alignlit.models import export_pretrained, load_policy, load_scalar_model, m
 ROOT = Path(__file__).resolve().parents[2]
 SFT_CONFIG = str(ROOT / "configs/quickstart/sft.yaml")
 REWARD_CONFIG = str(ROOT / "configs/quickstart/reward.yaml")
-README = ROOT / "README.md"
+GUARANTEES = ROOT / "docs" / "guarantees.md"
 H, A = "\n\nHuman:", "\n\nAssistant:"
 TINY = dict(hidden_size=32, num_layers=1, num_heads=1, head_dim=32, intermediate_size=64)
 
@@ -200,7 +200,7 @@ def test_a_resume_refuses_a_changed_training_setting_naming_it(
 
 def test_a_fresh_run_refuses_a_checkpoint_folder_holding_another_runs_checkpoints(trained, world):
     """Before: the second run wrote last-v1.ckpt beside the first run's last.ckpt, and resuming
-    `last.ckpt` (as the README says) resumed the first, finished run."""
+    `last.ckpt` (as docs/guarantees.md says) resumed the first, finished run."""
     tmp = trained
     files = sorted(p.name for p in (tmp / "ckpt").iterdir())
     with pytest.raises(CheckpointError, match=r"checkpoint folder .*ckpt: it already holds checkpoints of another run"
@@ -385,12 +385,11 @@ def trained_rm(tmp_path_factory, world):
 
 
 def readme_score_helper():
-    """The plain-transformers ``score()`` the README's Reliability section gives, executed as written."""
-    text = README.read_text()
-    section = text[text.index("## Reliability: what is guaranteed") :]
+    """The plain-transformers ``score()`` the Guarantees page (docs/guarantees.md) gives, executed as written."""
+    section = GUARANTEES.read_text()
     blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", section, flags=re.S)]
     code = next((b for b in blocks if "def score(" in b), None)
-    assert code is not None, "README's Reliability section has no plain-transformers score() helper"
+    assert code is not None, "docs/guarantees.md has no plain-transformers score() helper"
     namespace: dict = {}
     exec(code, namespace)
     return namespace["score"]
