@@ -6,9 +6,10 @@ A block is classified by an HTML comment on the line(s) just before its fence (i
 - no comment, or ``<!-- docs: run -->``: **executed**, in order, in one working directory per page (links to
   ``configs/``, ``recipes/``, ``examples/``, ``benchmarks/``; a copy of a tiny ``data/sim`` and of tiny
   ``out/quickstart/{sft,reward,pairpref,samples}``; an offline hub cache holding a tiny random
-  ``Qwen/Qwen2.5-0.5B-Instruct``, ``tests/hubcache.py``). Shell blocks run under ``bash -e`` with an ``alignlit``
-  on ``PATH`` that makes every run tiny (:func:`tiny_argv`: two steps or rollouts per ``fit``, small
-  ``sim make-data``, 16 prompts for ``sample``, 8 for ``eval``). Python blocks run in one namespace per page;
+  ``Qwen/Qwen2.5-0.5B-Instruct``, ``tests/hubcache.py``). Every ``alignlit`` command is made tiny (:func:`tiny_argv`: one step
+  or rollout per ``fit`` and one validation batch, small ``sim make-data``, 16 prompts for ``sample``, 8 for
+  ``eval``); a shell block of ``alignlit`` commands only runs them in this process, any other under
+  ``bash -e`` with that tiny ``alignlit`` first on ``PATH``. Python blocks run in one namespace per page;
   a block whose first line is ``# some/file.py`` is also written to that file (importable from the page's
   directory). ``run replace="A -> B; C -> D"`` runs the block with those substitutions (a cheap variant).
 - ``<!-- docs: parse REASON: why -->``: every command line in it is **parsed, not run**: ``alignlit fit``
@@ -117,6 +118,7 @@ def test_the_docs_have_blocks_and_every_marker_is_valid():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.docs
 def test_summary(capsys):
     """Prints how many blocks are run, parsed, excerpts or skipped (the docs session shows it)."""
     counts: dict[str, int] = {}
@@ -332,10 +334,16 @@ def tiny_argv(argv: list[str]) -> list[str]:
         if w == "--config":
             trainer.update((yaml.safe_load(Path(argv[i + 1]).read_text()) or {}).get("trainer") or {})
     if "max_steps" in trainer:
-        tiny = ["--trainer.max_steps=2", "--trainer.val_check_interval=2"]
+        tiny = ["--trainer.max_steps=1", "--trainer.val_check_interval=1"]
     else:
-        tiny = ["--trainer.limit_train_batches=2", "--trainer.val_check_interval=1.0"]
-    return [*argv, *tiny, "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false"]
+        tiny = ["--trainer.limit_train_batches=1", "--trainer.val_check_interval=1.0"]
+    return [
+        *argv,
+        *tiny,
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+    ]
 
 
 SHIM = """#!{python}
@@ -450,6 +458,12 @@ def test_page_blocks_run(page, workspace, doc_modules, tmp_path, monkeypatch):
                 namespace.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
             else:
                 exec(compile(code, block.id, "exec"), namespace)
+        elif all(words[0] == "alignlit" for words in command_lines(code)):
+            # only alignlit commands: run in this process (one import of torch and Lightning for all)
+            from alignlit.cli import main
+
+            for words in command_lines(code):
+                main(tiny_argv(words[1:]))
         else:
             proc = subprocess.run(
                 ["bash", "-e", "-c", code], cwd=d, env=env, capture_output=True, text=True, timeout=900
@@ -457,3 +471,13 @@ def test_page_blocks_run(page, workspace, doc_modules, tmp_path, monkeypatch):
             assert proc.returncode == 0, (
                 f"{block.id} failed ({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             )
+
+
+def test_readme_links_resolve():
+    """The README's relative links (into docs/, recipes/, ...) name files that exist; anchors of pages in
+    docs/ are checked by `mkdocs build --strict`."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert links
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, missing
