@@ -249,7 +249,7 @@ def api_page(package: str, title: str) -> str:
 
 def _recipe_text(path: Path) -> str:
     # the recipes' own pages link each other as folders/README.md; on the site they are pages
-    return re.sub(r"\(([\w-]+)/README\.md\)", r"(\1.md)", path.read_text())
+    return re.sub(r"\((?:\.\./)?([\w-]+)/README\.md\)", r"(\1.md)", path.read_text())
 
 
 GENERATED: dict[str, str] = {}
@@ -304,6 +304,11 @@ def on_config(config, **kwargs):
                     value = _nav_pages("reference/config/")
                 elif value == "GENERATED_API":
                     value = _nav_pages("reference/api/")
+                elif value == "GENERATED_RECIPES":  # recipes/README.md's order
+                    order = re.findall(
+                        r"\(([\w-]+)/README\.md\)", (ROOT / "recipes" / "README.md").read_text()
+                    )
+                    value = ["recipes/index.md", *[f"recipes/{name}.md" for name in dict.fromkeys(order)]]
                 elif isinstance(value, list):
                     value = expand(value)
                 out.append({title: value})
