@@ -71,6 +71,14 @@ def quiet_trainer(seed: int) -> list[str]:
             "--trainer.enable_progress_bar=false"]  # fmt: skip
 
 
+def online_seed(seed: int) -> list[str]:
+    """An online run's own seeds: ``seed_everything`` does not reach them. The rollouts are sampled with
+    ``rollout.seed + i`` and the prompts shuffled with ``data.seed``, both 0 by default, so without these two
+    every seed would train the same run (measured: two runs differing only in ``seed_everything`` ended with
+    weights equal to 1.5e-8)."""
+    return [f"--model.init_args.rollout.seed={seed}", f"--data.init_args.seed={seed}"]
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -87,7 +95,7 @@ class Bench:
             ("make-data", ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if self.args.tiny else [])]),
             ("sft", ["fit", *config_args("sft.yaml", CONFIGS), *quiet_trainer(0),
                      *(["--trainer.max_steps=6"] if self.args.tiny else [])]),
-            ("teacher", ["fit", *config_args("grpo-verifiable.yaml", CONFIGS), *quiet_trainer(self.args.teacher_seed),
+            ("teacher", ["fit", *config_args("grpo-verifiable.yaml", CONFIGS), *quiet_trainer(self.args.teacher_seed), *online_seed(self.args.teacher_seed),
                          f"--model.init_args.export_dir={TEACHER}",
                          f"--trainer.limit_train_batches={3 if self.args.tiny else 60}"]),
         ]  # fmt: skip
@@ -112,7 +120,7 @@ class Bench:
         _, config, overrides = ARMS[arm]
         export = path / "export"
         argv = [
-            "fit", *config_args(config, CONFIGS), *quiet_trainer(seed),
+            "fit", *config_args(config, CONFIGS), *quiet_trainer(seed), *online_seed(seed),
             f"--trainer.limit_train_batches={self.rollouts}", f"--trainer.val_check_interval={self.val_every}",
             "--trainer.num_sanity_val_steps=-1", f"--trainer.logger.init_args.save_dir={path / 'logs'}",
             *[f"--model.init_args.{k}={v}" for k, v in overrides.items()],
