@@ -268,11 +268,19 @@ def setting_overrides(setting: dict) -> list[str]:
 
 def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
     """Overrides every benchmark run gets: its seed, no checkpoints (a run is redone, not resumed), no
-    progress bar (the log goes to a file); with ``tiny``, a few steps or rollouts."""
+    progress bar (the log goes to a file); with ``tiny``, a few steps or rollouts.
+
+    The seed reaches what ``seed_everything`` does not: the data order (``data.init_args.seed``) and an
+    online stage's rollout sampling (``rollout.seed``). Both default to 0, so before they were set here the
+    seeds of a stage that adds no new weights (DPO and the online stages from SFT) trained the same run and
+    differed only in the evaluation's sampling seed. Seed 0 is the run it was."""
     trainer = config.get("trainer") or {}
     kept = [c for c in trainer.get("callbacks") or [] if "ModelCheckpoint" not in str(c.get("class_path"))]
+    online = "PromptDataModule" in str(get_key(config, "data.class_path"))
     out = [
         f"--seed_everything={seed}",
+        f"--data.init_args.seed={seed}",
+        *([f"--model.init_args.rollout.seed={seed}"] if online else []),
         "--trainer.enable_checkpointing=false",
         f"--trainer.callbacks={json.dumps(kept)}",
         "--trainer.enable_progress_bar=false",
@@ -281,7 +289,6 @@ def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
         if "max_steps" in trainer:
             out += [f"--trainer.max_steps={TINY_STEPS}", f"--trainer.val_check_interval={TINY_STEPS}"]
         else:
-            online = "PromptDataModule" in str(get_key(config, "data.class_path"))
             # validation once, at the end of the (possibly shorter than asked) epoch
             out += [
                 f"--trainer.limit_train_batches={TINY_ROLLOUTS if online else TINY_STEPS}",

@@ -173,11 +173,14 @@ def test_run_overrides_drop_checkpoints_and_shrink_tiny_runs(configs):
     full = bench_quality.run_overrides(online, seed=2, tiny=False)
     assert full == [
         "--seed_everything=2",
+        "--data.init_args.seed=2",
+        "--model.init_args.rollout.seed=2",
         "--trainer.enable_checkpointing=false",
         "--trainer.callbacks=[]",
         "--trainer.enable_progress_bar=false",
     ]
     tiny = bench_quality.run_overrides(offline, seed=0, tiny=True)
+    assert "--data.init_args.seed=0" in tiny and not any("rollout.seed" in a for a in tiny)
     assert "--trainer.max_steps=6" in tiny and "--trainer.val_check_interval=6" in tiny
     tiny = bench_quality.run_overrides(online, seed=0, tiny=True)
     assert "--trainer.limit_train_batches=2" in tiny and "--trainer.limit_val_batches=1" in tiny
