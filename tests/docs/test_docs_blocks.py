@@ -277,14 +277,37 @@ def write_files(root: Path) -> None:
         target.write_text(code)
 
 
-@pytest.fixture(scope="session")
+def _registries() -> list[dict]:
+    import alignlit.losses as losses
+    import alignlit.ops as ops
+
+    return [
+        losses.POLICY_LOSSES,
+        losses.PREFERENCE_LOSSES,
+        losses.LOSS_AGGREGATIONS,
+        ops.ADVANTAGE_ESTIMATORS,
+        ops.TOKEN_ADVANTAGE_ESTIMATORS,
+        ops.ROLLOUT_CORRECTIONS,
+    ]
+
+
+@pytest.fixture(scope="module")
 def doc_modules(tmp_path_factory):
-    """Every file block of the docs written under one folder on ``sys.path`` (for this process: a module
-    registers its names once, whichever page imports it first)."""
+    """Every file block of the docs written under one folder on ``sys.path`` (for this module: a module
+    registers its names once, whichever page imports it first). Afterwards the folder, its modules and
+    the names they registered are gone, so no other test sees them."""
     root = tmp_path_factory.mktemp("doc-modules")
     write_files(root)
+    before = [dict(r) for r in _registries()]
     sys.path.insert(0, str(root))
-    return root
+    yield root
+    sys.path.remove(str(root))
+    packages = {rel.split("/")[0] for rel in file_blocks()}
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
+        del sys.modules[name]
+    for registry, saved in zip(_registries(), before):
+        for name in [n for n in registry if n not in saved]:
+            del registry[name]
 
 
 @pytest.mark.parametrize(
