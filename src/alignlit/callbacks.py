@@ -68,7 +68,7 @@ class CompileDecoder(Callback):
             - class_path: alignlit.callbacks.CompileDecoder
 
     The first steps pay the compilation. Measured on CPU with the benchmark's 3.2M-parameter Llama,
-    SFT ran at 1.24x TRL's examples/s against 1.02x uncompiled (README Performance).
+    SFT ran at 1.24x TRL's examples/s against 1.02x uncompiled (docs/results/performance.md).
     """
 
     def __init__(self, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = True):

@@ -53,7 +53,7 @@ REWARD_FORMAT_KEY = "alignlit_reward_format"
 def reward_format(tokenizer, *, max_length: int | None, max_prompt_length: int | None) -> dict[str, Any]:
     """How a reward model trained by alignlit turns ``(prompt, response)`` into the tokens it scores,
     as written into its export's ``config.json`` (:data:`REWARD_FORMAT_KEY`), so that plain Hugging Face
-    code can score as alignlit does (README, "Reliability").
+    code can score as alignlit does (docs/guarantees.md).
 
     Causal-LM tokenizers: ``prompt + response + EOS`` (prompt and response tokenised separately, without
     special tokens); encoder tokenizers: ``CLS + prompt + response + SEP``. The prompt keeps its last

@@ -42,7 +42,7 @@ class LengthHead:
 
     The decorrelation assumes quality is independent of length. Where it is not, the head removes real
     signal: on the simulated task gold prefers shorter answers, and the head lowered accuracy against
-    gold from 0.724 to 0.544 (README, reward models; ``benchmarks/bench_reward_ablations.py``).
+    gold from 0.724 to 0.544 (docs/stages/sft-reward.md; ``benchmarks/bench_reward_ablations.py``).
 
     Args:
         lr: learning rate of ``w`` (its own AdamW group, no weight decay; the schedule follows ``optim``).

@@ -91,7 +91,7 @@ class HFEngine:
 
     ``kv_cache``, ``compile`` and ``share_prompt`` choose how ``generate`` runs; the samples'
     distribution and log-probs are the same either way. None is faster at every shape measured
-    (``benchmarks/bench_generation.py``; the README's Performance section): the static cache with a
+    (``benchmarks/bench_generation.py``; docs/results/performance.md): the static cache with a
     shared prompt pays with many samples of long prompts, so the default stays the dynamic cache.
 
     Args:
