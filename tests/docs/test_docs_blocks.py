@@ -7,7 +7,7 @@ A block is classified by an HTML comment on the line(s) just before its fence (i
   ``configs/``, ``recipes/``, ``examples/``, ``benchmarks/``; a copy of a tiny ``data/sim`` and of tiny
   ``out/quickstart/{sft,reward,pairpref,samples}``; an offline hub cache holding a tiny random
   ``Qwen/Qwen2.5-0.5B-Instruct``, ``tests/hubcache.py``). Every ``alignlit`` command is made tiny (:func:`tiny_argv`: one step
-  or rollout per ``fit`` and one validation batch, small ``sim make-data``, 16 prompts for ``sample``, 8 for
+  or rollout per ``fit``, no validation, small ``sim make-data``, 16 prompts for ``sample``, 8 for
   ``eval``); a shell block of ``alignlit`` commands only runs them in this process, any other under
   ``bash -e`` with that tiny ``alignlit`` first on ``PATH``. Python blocks run in one namespace per page;
   a block whose first line is ``# some/file.py`` is also written to that file (importable from the page's
@@ -363,7 +363,7 @@ def tiny_argv(argv: list[str]) -> list[str]:
     return [
         *argv,
         *tiny,
-        "--trainer.limit_val_batches=1",
+        "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
     ]
