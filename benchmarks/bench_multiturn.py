@@ -74,7 +74,7 @@ class TokenBudget(L.Callback):
         self.turns: list[float] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        last = module.history[-1]
+        last = module.progress.history[-1]
         self.tokens += round(last["episode/model_tokens"] * last["rollout/samples"])
         self.rollouts += 1
         self.turns.append(last["episode/turns"])

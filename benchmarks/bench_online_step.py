@@ -140,7 +140,7 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
     trainer.fit(module, train_dataloaders=loader)
 
     rows = []
-    for k, h in enumerate(module.history):
+    for k, h in enumerate(module.progress.history):
         if k == 0:  # warm-up
             continue
         parts = {

@@ -27,7 +27,7 @@ Every later performance decision is made at this shape (issue 31 item 8). What r
   once before the step so that its worker process starts outside it (``--reward hash``: a plain
   "number after ####" check instead).
 
-Per phase, from the module's own timers (``module.history``): generation (``rollout/generate_s``),
+Per phase, from the module's own timers (``module.progress.history``): generation (``rollout/generate_s``),
 scoring (``rollout/score_s``), old and reference log-probs (``time/old_logp_s``, ``time/ref_logp_s``),
 update (``time/train_s`` minus the log-probs: advantages, forward, backward, clipping, optimizer step),
 and the rest of the step's wall time. Memory: the process's peak RSS (``ru_maxrss``, whole process
@@ -299,7 +299,7 @@ def run_step(policy: Path, tokenizer, args) -> dict:
     with sampler:
         trainer.fit(module, data)
     wall = time.perf_counter() - start  # the whole fit: setup, the step, teardown
-    (h,) = module.history
+    (h,) = module.progress.history
     seconds = {
         "generation": h["rollout/generate_s"],
         "score": h["rollout/score_s"],

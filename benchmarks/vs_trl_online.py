@@ -303,7 +303,7 @@ def alignlit_online_worker(workload: str, root: Path, args, mode: str = "timed")
     if mode == "memory":
         return {**window.result, "losses": losses, "peak_rss_mb": _peak_rss_mb()}
     parts = []
-    for k, h in enumerate(module.history):
+    for k, h in enumerate(module.progress.history):
         p = {
             "generate": h["rollout/generate_s"],
             "score": h["rollout/score_s"],

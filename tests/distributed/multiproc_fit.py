@@ -315,12 +315,12 @@ def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
             state["weight_pushes"] = getattr(module.rollout.engine, "weight_pushes", None)
             state["engine_here"] = getattr(module.rollout.engine, "llm", None) is not None
             state["history"] = [{k: v for k, v in h.items() if not k.startswith(("time/", "rollout/"))}
-                                for h in module.history]  # fmt: skip
+                                for h in module.progress.history]  # fmt: skip
         if stage == "grpo_served":
             engine = module.rollout.engine
             state = {"samples": samples, "weight_pushes": engine.weight_pushes, "version": engine.version,
                      "label": engine.label, "requests": engine.requests_per_engine,
-                     "parity": [h["rollout/parity_max_abs_diff"] for h in module.history
+                     "parity": [h["rollout/parity_max_abs_diff"] for h in module.progress.history
                                 if "rollout/parity_max_abs_diff" in h]}  # fmt: skip
         if stage == "ppo_sharded":
             state = {"sharded": [any(type(p).__name__ == "DTensor" for p in m.parameters())

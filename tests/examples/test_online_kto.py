@@ -129,8 +129,8 @@ def test_fit_on_the_simulated_task(sim, tmp_path):
         train_file=str(sim / "prompts_train.jsonl"), val_file=str(sim / "prompts_val.jsonl"), batch_size=4
     )
     trainer.fit(module, data)
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert len(train) == 2 and trainer.global_step >= 1
     assert all("kto/loss" in h or h.get("rollout/skipped") == 1.0 for h in train)
-    assert any("kto/loss" in h for h in train) and any("val/gold" in h for h in module.history)
+    assert any("kto/loss" in h for h in train) and any("val/gold" in h for h in module.progress.history)
     assert not all(torch.equal(v, before[k]) for k, v in module.policy.state_dict().items())

@@ -47,7 +47,9 @@ def test_resuming_a_finished_async_run_for_longer_says_it_is_not_the_straight_ru
         "for step(s) 3" in out
     )
     assert "not bit-identical" in out
-    assert resumed.history[3]["async/staleness_max"] == 0.0  # what the notice warns of (straight: 1.0)
+    assert (
+        resumed.progress.history[3]["async/staleness_max"] == 0.0
+    )  # what the notice warns of (straight: 1.0)
 
     mid = grpo(tiny_policy_dir, 1)
     run(mid, prompts_file, tmp_path / "c", epochs=1, ckpt_path=str(by_step[2][0]))

@@ -61,10 +61,10 @@ def test_a_resume_trains_on_the_prompts_the_filter_kept(tiny_policy_dir, prompts
                                                      save_top_k=-1, save_last=False)  # fmt: skip
     dm = PromptDataModule(train_file=str(prompts_file), batch_size=2)
     trainer(tmp_path / "a", max_epochs=1, limit_train_batches=2, callbacks=[checkpoint]).fit(module, dm)
-    kept = list(module.kept_prompts)
+    kept = list(module.prompts.kept)
     assert kept and not any("copy" in p for p in kept)
     first = min((tmp_path / "ckpt").iterdir())
-    assert torch.load(first, weights_only=True)["policy_gradient_state"]["kept_prompts"] == kept
+    assert torch.load(first, weights_only=True)["policy_gradient_state"]["prompts"]["kept"] == kept
 
     resumed = grpo(tiny_policy_dir, prompt_filter=PromptFilter(k=2, epsilon=1e-9, seed=0))
 
@@ -74,7 +74,7 @@ def test_a_resume_trains_on_the_prompts_the_filter_kept(tiny_policy_dir, prompts
     monkeypatch.setattr(PromptFilter, "__call__", refiltered)
     dm = PromptDataModule(train_file=str(prompts_file), batch_size=2)
     trainer(tmp_path / "b", max_epochs=1, limit_train_batches=2).fit(resumed, dm, ckpt_path=str(first))
-    assert dm.train_prompts == kept == resumed.kept_prompts
+    assert dm.train_prompts == kept == resumed.prompts.kept
 
 
 def test_prompts_longer_than_the_positions_allow_are_refused(tokenizer, prompts_file, tmp_path):
@@ -111,7 +111,7 @@ def test_a_run_that_trained_nothing_says_so(tiny_policy_dir, prompts_file, tmp_p
     """A constant reward with dynamic sampling: every rollout is skipped; the run prints its summary and warns
     that the export is the starting policy."""
     module = grpo(tiny_policy_dir, dynamic_sampling=DynamicSampling())
-    module.reward = lambda prompts, responses: [0.5] * len(responses)
+    module.collector.reward = lambda prompts, responses: [0.5] * len(responses)  # what scores the rollouts
     with pytest.warns(UserWarning, match="no rollout was trained .* the export is the starting policy"):
         trainer(tmp_path, max_epochs=1, limit_train_batches=2).fit(
             module, PromptDataModule(train_file=str(prompts_file), batch_size=2)

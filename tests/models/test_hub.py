@@ -407,7 +407,7 @@ def test_async_grpo_by_hub_id(hub_cache, tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(module, PromptDataModule(train_file=str(prompts), batch_size=2))
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert len(train) == 3 and [h["async/staleness_max"] for h in train] == [0, 1, 1]
 
 

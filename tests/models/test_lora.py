@@ -298,6 +298,6 @@ def test_ppo_with_lora_runs_a_rollout(tmp_path, tiny_policy_dir):
         enable_checkpointing=False, default_root_dir=tmp_path,
     )  # fmt: skip
     trainer.fit(module, PromptDataModule(train_file=str(prompts), val_fraction=0.0, batch_size=4))
-    assert module.history and "kl/ref" in module.history[-1]
+    assert module.progress.history and "kl/ref" in module.progress.history[-1]
     changed = {k for k, v in module.policy.state_dict().items() if not torch.equal(before[k], v)}
     assert changed and all(".lora_" in k for k in changed)

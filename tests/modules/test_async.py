@@ -108,9 +108,9 @@ def staleness_zero_equals_sync(tiny_policy_dir, prompts_file, tmp_path):
     fit(piped, prompts_file, tmp_path / "piped")
     assert same_weights(sync.policy, piped.policy)
     assert [
-        {k: v for k, v in h.items() if not k.startswith("async/")} for h in stable(piped.history)
-    ] == stable(sync.history)
-    assert all(h["async/staleness_max"] == 0 for h in piped.history if "async/staleness_max" in h)
+        {k: v for k, v in h.items() if not k.startswith("async/")} for h in stable(piped.progress.history)
+    ] == stable(sync.progress.history)
+    assert all(h["async/staleness_max"] == 0 for h in piped.progress.history if "async/staleness_max" in h)
 
 
 def test_the_bound_holds_with_pinned_versions(tiny_policy_dir, prompts_file, tmp_path):
@@ -118,7 +118,7 @@ def test_the_bound_holds_with_pinned_versions(tiny_policy_dir, prompts_file, tmp
     for the first two), so the staleness is 0, 1, 2, 2, 2, 2, never more; the policy changed meanwhile."""
     module = grpo(tiny_policy_dir, 2)
     fit(module, prompts_file, tmp_path)
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert [h["async/staleness_max"] for h in train] == [0, 1, 2, 2, 2, 2]
     assert [h["async/staleness_mean"] for h in train] == [0, 1, 2, 2, 2, 2]
     assert [h["policy/version"] for h in train] == [1, 2, 3, 4, 5, 6]
@@ -156,7 +156,7 @@ def test_a_lora_policy_trained_asynchronously_samples_from_its_updated_adapter(
         rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2, max_staleness=1),
     )  # fmt: skip
     snapshots, rollouts = {}, {}
-    snapshot, produce = module.rollout.snapshot, module.produce
+    snapshot, produce = module.rollout.snapshot, module.ahead.produce
 
     def record_snapshot(version):
         snapshots[version] = snapshot(version)
@@ -167,7 +167,7 @@ def test_a_lora_policy_trained_asynchronously_samples_from_its_updated_adapter(
         rollouts[index] = (version, result[0].rollout)
         return result
 
-    module.rollout.snapshot, module.produce = record_snapshot, record_rollout
+    module.rollout.snapshot, module.ahead.produce = record_snapshot, record_rollout
     fit(module, prompts_file, tmp_path, epochs=1)
     assert sorted(snapshots) == [0, 1] and rollouts[2][0] == 1
     assert not any("lora_" in name for name in snapshots[1].state)  # merged, under the base model's names
@@ -250,8 +250,8 @@ def test_resume_is_exact(stage, tiny_policy_dir, prompts_file, tmp_path):
     resumed = STAGES[stage](tiny_policy_dir)
     fit(resumed, prompts_file, tmp_path / "b", ckpt_path=str(by_step[4]))
     assert same_weights(straight.policy, resumed.policy)
-    assert stable(resumed.history) == stable(straight.history)
-    assert resumed.policy_version == straight.policy_version
+    assert stable(resumed.progress.history) == stable(straight.progress.history)
+    assert resumed.progress.policy_version == straight.progress.policy_version
 
 
 def alignlit_fit(tmp_path, policy_dir, prompts_file, *extra) -> list[str]:

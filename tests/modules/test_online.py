@@ -132,10 +132,10 @@ def test_degenerate_rollout_is_skipped_and_counted(tiny_policy_dir, prompts_file
         default_root_dir=tmp_path,
     )
     trainer.fit(module, PromptDataModule(train_file=str(prompts_file), batch_size=3))
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert train[0]["rollout/skipped"] == 1.0 and "policy/policy_loss" not in train[0]
     assert "rollout/skipped" not in train[1] and "policy/policy_loss" in train[1]
-    assert module.skipped_rollouts == 1 and train[1]["rollout/skipped_total"] == 1.0
+    assert module.progress.skipped_rollouts == 1 and train[1]["rollout/skipped_total"] == 1.0
     # optimizer steps of the second rollout only: 3 samples in 1 minibatch, critic + actor
     assert trainer.global_step == 2
     assert [c.scheduler.last_epoch for c in trainer.lr_scheduler_configs] == [1, 1]
@@ -205,7 +205,7 @@ def test_prompt_filter_samples_like_the_rollout_unless_configured(tiny_policy_di
 
     rollout = RolloutLoop(sampling=SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"]))
     module = ppo(tiny_policy_dir, rollout=rollout, prompt_filter=PromptFilter(k=2, epsilon=0.0, seed=7))
-    module.prompt_filter(
+    module.prompts.prompt_filter(
         Recording().generate, length_reward, PROMPTS[:2], default_sampling=module.rollout.sampling
     )
     assert seen[-1] == SamplingParams(temperature=0.7, max_new_tokens=3, stop=["\n\nHuman:"], seed=7)

@@ -183,7 +183,7 @@ def test_pairing_and_length_penalty_by_hand(
     )
     scripted(module, hand_script)
     trainer = fit(module, data_dir / "two_prompts.jsonl", tmp_path, batches=1)
-    (metrics,) = [h for h in module.history if "time/train_s" in h]
+    (metrics,) = [h for h in module.progress.history if "time/train_s" in h]
     assert metrics["pairs/identical"] == 1.0
     pairs = [
         json.loads(line) for line in (tmp_path / "data" / "iter_0001.pairs.jsonl").read_text().splitlines()
@@ -194,7 +194,7 @@ def test_pairing_and_length_penalty_by_hand(
     assert first.lengths == [1, 5, 2]  # the file's lengths are tokens, whatever the penalty's unit
     if expected is None:
         assert pairs == [] and metrics["pairs/gap"] == 1.0 and metrics["rollout/skipped"] == 1.0
-        assert module.skipped_rollouts == 1 and trainer.global_step == 0
+        assert module.progress.skipped_rollouts == 1 and trainer.global_step == 0
         assert module.iteration_pairs == [[]]
         return
     chosen, rejected, chosen_score, rejected_score = expected
@@ -219,10 +219,10 @@ def test_degenerate_iteration_is_skipped_then_training_continues(tiny_policy_dir
     module = make_module(tiny_policy_dir)
     scripted(module, script)
     trainer = fit(module, data_dir / "prompts.jsonl", tmp_path, batches=2)
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert train[0]["rollout/skipped"] == 1.0 and train[0]["pairs/identical"] == 2.0
     assert "dpo/loss" not in train[0] and "dpo/loss" in train[1]
-    assert module.skipped_rollouts == 1 and train[1]["rollout/skipped_total"] == 1.0
+    assert module.progress.skipped_rollouts == 1 and train[1]["rollout/skipped_total"] == 1.0
     assert trainer.global_step == 2  # 2 pairs, minibatches of 2, 2 passes
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1
     assert (tmp_path / "online_dpo_data" / "iter_0001.pairs.jsonl").read_text() == ""
@@ -269,7 +269,7 @@ def test_training_pairs_accumulate_or_not_with_offline_slices(
         online = [p for it in new[: t + 1] for p in it] if pairs_from == "all" else new[t]
         slice_t = [offline[order[(2 * t + i) % 3]] for i in range(2)]
         assert trained[t] == online + slice_t
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert [h["pairs/train"] for h in train] == ([4.0, 6.0, 8.0] if pairs_from == "all" else [4.0, 4.0, 4.0])
     assert all(h["pairs/offline"] == 2.0 for h in train)
 
@@ -354,8 +354,10 @@ def test_exact_resume(tmp_path, tiny_policy_dir, data_dir):
         ):
             assert torch.equal(a, b), f"{name}.{key} differs after resume"
     assert resumed.iteration_pairs == straight.iteration_pairs
-    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.history]
-    assert [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.history] == strip
+    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.progress.history]
+    assert [
+        {k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.progress.history
+    ] == strip
     assert any("val/gold" in h for h in strip)
 
 
@@ -535,7 +537,7 @@ def test_config_tiny_fit(tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_di
     assert len(read_ranked(data / "iter_0002.ranked.jsonl")) == 4
     last = torch.load(tmp_path / "out/quickstart/checkpoints/online-dpo/last.ckpt", weights_only=True)
     assert last["online_dpo_state"]["rollout"]["rollouts"] == 2
-    assert len(last["online_dpo_state"]["iteration_pairs"]) == 2
+    assert len(last["online_dpo_state"]["stage"]["iteration_pairs"]) == 2
 
 
 # ---------------------------------------------------------------------- vLLM
@@ -555,6 +557,10 @@ def test_online_dpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     )  # fmt: skip
     fit(module, data_dir / "prompts.jsonl", tmp_path, batches=2, batch_size=4)
     assert module.rollout.engine.weight_pushes == 2
-    parity = [h["rollout/parity_max_abs_diff"] for h in module.history if "rollout/parity_max_abs_diff" in h]
+    parity = [
+        h["rollout/parity_max_abs_diff"]
+        for h in module.progress.history
+        if "rollout/parity_max_abs_diff" in h
+    ]
     assert len(parity) == 2 and max(parity) < 1e-3
     assert (tmp_path / "online_dpo_data" / "iter_0002.pairs.jsonl").exists()

@@ -181,7 +181,7 @@ def test_resample_every_updates_on_one_set(tiny_policy_dir, data_dir, tmp_path):
     trainer = fit(module, data_dir / "three_prompts.jsonl", tmp_path, batches=1, epochs=2, batch_size=3)
     assert trainer.global_step == 6 and module.rollout.rollouts == 2
     assert [(t, len(sizes)) for t, sizes in updates] == [(1, 2), (1, 1), (1, 2), (2, 2), (2, 1), (2, 2)]
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert len(train) == 2 and all("rrhf/loss" in h and "kl/ref" in h for h in train)
     assert "length/corr_excluded" in train[0]
 
@@ -260,8 +260,10 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
     for (key, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), f"policy.{key} differs after resume"
     assert resumed.kl_ctl.value == straight.kl_ctl.value != 0.1
-    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.history]
-    assert [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.history] == strip
+    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.progress.history]
+    assert [
+        {k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.progress.history
+    ] == strip
 
 
 # ---------------------------------------------------------------------- configs
@@ -318,5 +320,9 @@ def test_online_rrhf_with_vllm_engine(tmp_path, tokenizer, data_dir):
     )  # fmt: skip
     fit(module, data_dir / "prompts.jsonl", tmp_path, batches=2, batch_size=4)
     assert module.rollout.engine.weight_pushes == 2
-    parity = [h["rollout/parity_max_abs_diff"] for h in module.history if "rollout/parity_max_abs_diff" in h]
+    parity = [
+        h["rollout/parity_max_abs_diff"]
+        for h in module.progress.history
+        if "rollout/parity_max_abs_diff" in h
+    ]
     assert len(parity) == 2 and max(parity) < 1e-3

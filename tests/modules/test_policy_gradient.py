@@ -378,7 +378,7 @@ def test_dynamic_sampling_drops_all_equal_groups(tiny_policy_dir):
     their rewards, in order."""
     module = make_module(tiny_policy_dir, reward=copy_constant_reward, dynamic_sampling=DynamicSampling())
     exp = collect(module, PROMPTS[:4])
-    kept, metrics = module.accept(exp)
+    kept, metrics = module.collector.accept(exp)
     rollout, rewards = kept.rollout, kept.rewards
     assert rollout.prompts == [p for p in PROMPTS[:2] for _ in range(4)]
     torch.testing.assert_close(rewards, exp.rewards[:8])
@@ -450,8 +450,8 @@ def test_dynamic_sampling_refills_within_the_bound(tiny_policy_dir, data_dir, tm
 
     module.make_trajectory = record
     fit(module, data_dir, tmp_path, rollouts=2, batch_size=4)
-    train = [h for h in module.history if "time/train_s" in h]
-    assert len(train) == 2 and module.skipped_rollouts == 0
+    train = [h for h in module.progress.history if "time/train_s" in h]
+    assert len(train) == 2 and module.progress.skipped_rollouts == 0
     for h, prompts in zip(train, trained):
         assert h["dynamic/full"] == 1.0 and h["dynamic/groups"] == 4.0
         assert (
@@ -469,8 +469,8 @@ def test_no_informative_group_is_skipped_and_counted(tiny_policy_dir, data_dir, 
         tiny_policy_dir, reward=constant_reward, dynamic_sampling=DynamicSampling(max_tries=2)
     )
     trainer = fit(module, data_dir, tmp_path, rollouts=2)
-    train = [h for h in module.history if "time/train_s" in h]
-    assert [h["rollout/skipped"] for h in train] == [1.0, 1.0] and module.skipped_rollouts == 2
+    train = [h for h in module.progress.history if "time/train_s" in h]
+    assert [h["rollout/skipped"] for h in train] == [1.0, 1.0] and module.progress.skipped_rollouts == 2
     assert all(h["dynamic/tries"] == 2.0 and h["dynamic/groups"] == 0.0 for h in train)
     assert trainer.global_step == 0
 
@@ -498,10 +498,10 @@ def test_overlong(tiny_policy_dir, mode):
     exp = collect(module, PROMPTS[:4], HAND_REWARDS)
     assert exp.rollout.response_mask.sum(-1).min() == 3
     cut_to(exp.rollout, [3, 1, 2, 3] * 4, limit=3)
-    kept, metrics = module.accept(exp)
+    kept, metrics = module.collector.accept(exp)
     rollout = kept.rollout
     batch, more = make_batch(module, rollout, kept.rewards)
-    rewards = module.task_rewards(rollout, kept.rewards)
+    rewards = module.collector.task_rewards(rollout, kept.rewards)
     if mode == "filter":
         torch.testing.assert_close(rewards, exp.rewards)
         assert more["response/overlong_filtered"] == 8.0 and len(batch) == 8
@@ -589,7 +589,7 @@ def test_fit_logs_the_monitoring_metrics(tiny_policy_dir, data_dir, tmp_path):
     policy0 = {k: v.clone() for k, v in module.policy.state_dict().items()}
     trainer = fit(module, data_dir, tmp_path, rollouts=2, val_batches=1)
     assert not all(torch.equal(v, policy0[k]) for k, v in module.policy.state_dict().items())
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     for key in (
         "reward/raw", "reward/std", "dynamic/informative_frac", "advantage/std", "kl/ref", "response/length",
         "policy/clip_frac_high", "policy/clip_frac_low", "policy/entropy", "policy/kl", "mismatch/abs_mean",
@@ -638,7 +638,7 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
     rollouts before the checkpoint and in the one after it."""
     straight = resume_module(tiny_policy_dir, reference_dir, data_dir)
     fit(straight, data_dir, tmp_path / "a", rollouts=4, checkpoint_every=1, val_batches=1)
-    train = [h for h in straight.history if "time/train_s" in h]
+    train = [h for h in straight.progress.history if "time/train_s" in h]
     assert train[0]["dynamic/tries"] > 0 and train[3]["dynamic/tries"] > 0
     assert "rollout/skipped" not in train[3]
     by_rollout = {}
@@ -653,9 +653,13 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
     for (key, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), f"policy.{key} differs after resume"
     assert resumed.kl_ctl.value == straight.kl_ctl.value
-    assert torch.equal(resumed.refill_generator.get_state(), straight.refill_generator.get_state())
-    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.history]
-    assert [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.history] == strip
+    assert torch.equal(
+        resumed.collector.refill_generator.get_state(), straight.collector.refill_generator.get_state()
+    )
+    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.progress.history]
+    assert [
+        {k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.progress.history
+    ] == strip
     assert any("val/gold" in h and "val/sft_nll" in h for h in strip)
 
 
@@ -747,9 +751,13 @@ def test_grpo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     )
     fit(module, data_dir, tmp_path, rollouts=2)
     assert module.rollout.engine.weight_pushes == 2
-    parity = [h["rollout/parity_max_abs_diff"] for h in module.history if "rollout/parity_max_abs_diff" in h]
+    parity = [
+        h["rollout/parity_max_abs_diff"]
+        for h in module.progress.history
+        if "rollout/parity_max_abs_diff" in h
+    ]
     assert len(parity) == 2 and max(parity) < 1e-3
-    assert all("mismatch/abs_mean" in h for h in module.history if "time/train_s" in h)
+    assert all("mismatch/abs_mean" in h for h in module.progress.history if "time/train_s" in h)
 
 
 def test_dynamic_sampling_refuses_several_processes(tiny_policy_dir):

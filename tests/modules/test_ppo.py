@@ -16,11 +16,11 @@ from alignlit.losses import entropy_bonus, masked_nll, ppo_policy_loss, ppo_valu
 from alignlit.models import export_pretrained, load_reward_model, load_scalar_model, make_tiny_llama
 from alignlit.models.forward import response_logprobs
 from alignlit.modules import KLPenalty, Minibatches, Optim, PPOModule, PtxMix
-from alignlit.modules.collect import sample_metrics
 from alignlit.ops import (
     entropy_from_logits,
 )
 from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams
+from alignlit.rollout.collector import sample_metrics
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,8 +313,10 @@ def test_exact_resume(tmp_path, tiny_policy_dir, reference_dir, data_dir):
             assert torch.equal(a, b), f"{name}.{key} differs after resume"
     assert resumed.baseline_cache == straight.baseline_cache
     assert resumed.kl_ctl.value == straight.kl_ctl.value
-    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.history]
-    assert [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.history] == strip
+    strip = [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in straight.progress.history]
+    assert [
+        {k: v for k, v in h.items() if not k.startswith(TIMING)} for h in resumed.progress.history
+    ] == strip
     assert len([h for h in strip if "reward/raw" in h]) == 4
     assert any("val/gold" in h and "val/sft_nll" in h for h in strip)
 
@@ -331,15 +333,17 @@ def test_critic_pretraining_freezes_policy_then_both_train(tmp_path, tiny_policy
     fit(module, data_dir, tmp_path, rollouts=2)
     assert all(torch.equal(v, policy0[k]) for k, v in module.policy.state_dict().items())
     assert not all(torch.equal(v, critic0[k]) for k, v in module.critic.state_dict().items())
-    assert all("policy/policy_loss" not in h for h in module.history if "reward/raw" in h)
+    assert all("policy/policy_loss" not in h for h in module.progress.history if "reward/raw" in h)
     assert (tmp_path / "ppo_curves.png").stat().st_size > 0
     history = json.loads((tmp_path / "ppo_curves.json").read_text())
     assert [h["rollout"] for h in history if "reward/raw" in h] == [1.0, 2.0]
 
     fit(module, data_dir, tmp_path / "more", rollouts=2)
     assert not all(torch.equal(v, policy0[k]) for k, v in module.policy.state_dict().items())
-    assert [h["rollout"] for h in module.history if "policy/policy_loss" in h] == [3.0, 4.0]
-    for h in (h for h in module.history if "time/train_s" in h):  # experience forwards, inside train time
+    assert [h["rollout"] for h in module.progress.history if "policy/policy_loss" in h] == [3.0, 4.0]
+    for h in (
+        h for h in module.progress.history if "time/train_s" in h
+    ):  # experience forwards, inside train time
         parts = [h["time/old_logp_s"], h["time/ref_logp_s"], h["time/values_s"]]
         assert all(t > 0 for t in parts) and sum(parts) < h["time/train_s"]
 
@@ -464,5 +468,9 @@ def test_ppo_with_vllm_engine(tmp_path, tokenizer, data_dir):
     )
     fit(module, data_dir, tmp_path, rollouts=2, val_batches=0)
     assert module.rollout.engine.weight_pushes == 2
-    parity = [h["rollout/parity_max_abs_diff"] for h in module.history if "rollout/parity_max_abs_diff" in h]
+    parity = [
+        h["rollout/parity_max_abs_diff"]
+        for h in module.progress.history
+        if "rollout/parity_max_abs_diff" in h
+    ]
     assert len(parity) == 2 and max(parity) < 1e-3

@@ -170,7 +170,7 @@ def test_reasoning_gym_datamodule_feeds_grpo(tiny_policy_dir, tmp_path):
         default_root_dir=tmp_path,
     )
     trainer.fit(module, dm)
-    assert len([h for h in module.history if "time/train_s" in h]) == 2
+    assert len([h for h in module.progress.history if "time/train_s" in h]) == 2
     assert len(reward.seen) == 8 and {p for p, _, _ in reward.seen} <= set(dm.train_prompts)
     for prompt, response, score in reward.seen:
         assert score == reward.task.score(prompt, response)

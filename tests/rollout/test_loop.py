@@ -61,9 +61,9 @@ def test_collect_shapes_and_scores(policy, tokenizer):
     assert exp.versions.tolist() == [0] * n_samples  # the policy version that generated them
     assert loop.rollouts == 1
     for key in ("rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s"):
-        assert key in loop.metrics
+        assert key in exp.metrics
     tokens = int(r.response_mask.sum())
-    assert loop.metrics["rollout/tokens_per_s"] == pytest.approx(tokens / loop.metrics["rollout/generate_s"])
+    assert exp.metrics["rollout/tokens_per_s"] == pytest.approx(tokens / exp.metrics["rollout/generate_s"])
 
 
 def test_rollouts_are_seeded_and_state_resumes(policy, tokenizer):
@@ -95,11 +95,11 @@ def test_sync_when_the_version_changes(policy, tokenizer):
     sync = loop.engine.sync
     loop.engine.sync = lambda p: (calls.append(p), sync(p))
     loop.collect(PROMPTS, char_count, version=0)
-    loop.collect(PROMPTS, char_count, version=0)
+    exp = loop.collect(PROMPTS, char_count, version=0)
     assert len(calls) == 1 and loop.syncs == 1 and loop.engine_version == 0
-    assert "rollout/sync_s" not in loop.metrics
+    assert "rollout/sync_s" not in exp.metrics
     exp = loop.collect(PROMPTS, char_count, version=3)
-    assert len(calls) == 2 and "rollout/sync_s" in loop.metrics and loop.engine_version == 3
+    assert len(calls) == 2 and "rollout/sync_s" in exp.metrics and loop.engine_version == 3
     assert exp.versions.tolist() == [3] * len(exp)
     loop.load_state_dict(loop.state_dict())
     loop.collect(PROMPTS, char_count, version=3)
@@ -123,8 +123,8 @@ def test_generate_from_a_frozen_model(policy, tokenizer):
 
 def test_parity_check_after_sync(policy, tokenizer):
     loop = make_loop(policy, tokenizer, parity_every=1)
-    loop.collect(PROMPTS, char_count)
-    assert loop.metrics["rollout/parity_max_abs_diff"] < 1e-4
+    exp = loop.collect(PROMPTS, char_count)
+    assert exp.metrics["rollout/parity_max_abs_diff"] < 1e-4
 
     # an engine left on old weights: the loop's policy moved, the engine still generates with the original
     moved = copy.deepcopy(policy)

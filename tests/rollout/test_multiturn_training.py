@@ -70,7 +70,7 @@ def test_trajectory_trains_on_the_models_tokens_only(tiny_policy_dir):
     assert torch.equal(trajectory.turn_rewards, rollout.turn_rewards)
     # the mismatch statistics are over the model's tokens: the engine sampled them from the same weights
     assert metrics["mismatch/abs_max"] < 1e-4
-    assert {"episode/turns", "episode/truncated", "episode/tool_calls"} <= set(module.rollout.metrics)
+    assert {"episode/turns", "episode/truncated", "episode/tool_calls"} <= set(experience.metrics)
     with pytest.raises(ValueError, match="EpisodeReturn"):
         module.rollout.collect(PROMPTS[:1], lambda p, r: [0.0] * len(r))
 
@@ -138,9 +138,9 @@ def test_ppo_trains_with_an_environment(tiny_policy_dir, data_dir, tmp_path):
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     fit(module, data_dir, tmp_path, rollouts=2)
     assert not all(torch.equal(v, before[k]) for k, v in module.policy.state_dict().items())
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert len(train) == 2 and all("episode/turns" in h and "value/loss" in h for h in train)
-    assert any("val/gold" in h for h in module.history)
+    assert any("val/gold" in h for h in module.progress.history)
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_multiturn_grpo_exact_resume(tiny_policy_dir, data_dir, tmp_path):
     weights and the same history (timings aside), episodes included."""
     straight = grpo(tiny_policy_dir)
     fit(straight, data_dir, tmp_path / "a", rollouts=3, checkpoint=True)
-    train = [h for h in straight.history if "time/train_s" in h]
+    train = [h for h in straight.progress.history if "time/train_s" in h]
     assert len(train) == 3 and any(h["episode/turns"] > 1 for h in train)
     by_rollout = {}
     for path in (tmp_path / "a" / "ckpt").iterdir():
@@ -160,7 +160,7 @@ def test_multiturn_grpo_exact_resume(tiny_policy_dir, data_dir, tmp_path):
     for (key, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), f"policy.{key} differs after resume"
     strip = lambda history: [{k: v for k, v in h.items() if not k.startswith(TIMING)} for h in history]  # noqa: E731
-    assert strip(resumed.history) == strip(straight.history)
+    assert strip(resumed.progress.history) == strip(straight.progress.history)
 
 
 def test_multiturn_grpo_with_asynchronous_rollouts(tiny_policy_dir, data_dir, tmp_path):
@@ -174,7 +174,7 @@ def test_multiturn_grpo_with_asynchronous_rollouts(tiny_policy_dir, data_dir, tm
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(module, PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), batch_size=2))
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert [h["async/staleness_max"] for h in train] == [0, 1]
     assert all("episode/turns" in h for h in train) and trainer.global_step >= 1
 

@@ -25,6 +25,6 @@ def test_reward_counters_reach_the_rollout_metrics(tiny_policy_dir):
     loop.setup(policy, tokenizer)
     reward = Counting()
     loop.collect(["\n\nHuman: sort b a\n\nAssistant:"], reward)
-    loop.collect(["\n\nHuman: sort b a\n\nAssistant:"], reward)
-    assert loop.metrics["counting/calls"] == 2.0
+    exp = loop.collect(["\n\nHuman: sort b a\n\nAssistant:"], reward)
+    assert exp.metrics["counting/calls"] == 2.0
     assert reward_counters(lambda p, r: [0.0]) == {}

@@ -264,9 +264,9 @@ def test_async_grpo_on_vllm_loads_each_pinned_version(tmp_path, tokenizer):
         trainer.fit(module, PromptDataModule(train_file=str(prompts), val_file=str(prompts), batch_size=2))
     finally:
         VLLMEngine.load_state = load_state
-    train = [h for h in module.history if "time/train_s" in h]
+    train = [h for h in module.progress.history if "time/train_s" in h]
     assert [h["async/staleness_max"] for h in train] == [0, 1, 1]
-    assert len(loads) >= 3 and any("val/reward" in h for h in module.history)
+    assert len(loads) >= 3 and any("val/reward" in h for h in module.progress.history)
     parity = [h["rollout/parity_max_abs_diff"] for h in train if "rollout/parity_max_abs_diff" in h]
     assert len(parity) >= 2 and max(parity) < 1e-3  # each loaded version checked on its first batch
     assert module.rollout.async_engine is None  # stopped at the end of fit

@@ -151,3 +151,17 @@ def make_loader(
     return ResumableDataLoader(
         dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, num_workers=num_workers
     )
+
+
+def scheduled_batch(loader, index: int, batches_per_epoch: int) -> list:
+    """The batch a resumable ``loader`` hands at training step ``index`` (epoch ``index // batches_per_epoch``),
+    known ahead from its sampler's order: what the asynchronous rollouts generate ahead."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, ResumableSampler) or sampler.yield_epoch:
+        raise ValueError(
+            "rollout.max_staleness >= 1 generates the prompts of later steps ahead, from the training "
+            f"loader's sampler; it needs alignlit's resumable prompt loader (PromptDataModule), got {loader!r}"
+        )
+    epoch, batch = divmod(index, batches_per_epoch)
+    rows = sampler.order(epoch)[batch * loader.batch_size : (batch + 1) * loader.batch_size]
+    return loader.collate_fn([loader.dataset[i] for i in rows])

@@ -1,19 +1,18 @@
 """The base of every online stage: rollouts of the current policy interleaved with gradient steps.
 
 Lightning 2.x has no loop-replacement API, so an online stage uses manual optimisation and one
-``training_step`` is one *rollout*: :class:`OnlineModule` collects the samples of the prompt batch
-(:meth:`~alignlit.modules.collect.TrajectoryBuilder.collect`: sync, generate, score), builds their
-:class:`~alignlit.modules.trajectory.Trajectory` once (old and reference log-probs, KL, importance
-weights, loss mask), decides on every rank whether there is anything to learn from, and hands the
-trajectory to the stage's :meth:`OnlineModule.train_on`, which computes its advantages or targets and
-runs its own minibatch loop (:meth:`OnlineModule.minibatches`, :meth:`OnlineModule.update`).
+``training_step`` is one *rollout*, three calls on the parts :class:`OnlineModule` composes::
 
-Everything else lives here, once: the policy, the frozen reference ``π_0`` and the reward; the KL
-controller; the policy's version (its optimiser steps, recorded on every sample); the prompt filter
-(ChatGLM §3.4); the ptx (SFT-loss) mixer and ``val/sft_nll``; validation sampling (``val/reward``,
-``val/gold``, ``val/kl``, ``val/length``); per-rollout warmup + cosine LR schedules; gradient-norm
-clipping; the phase in the progress bar; the curves PNG/JSON; checkpoints that leave the frozen models
-out and keep every piece of online state for an exact resume.
+    experience, metrics = self.collect(prompts)   # Collector / AheadCollector: sync, generate, score, accept
+    metrics |= self.learn(experience)             # TrajectoryMaker -> Trajectory -> the stage's train_on
+    self.record(metrics, len(prompts))            # the policy version, the history, the logs
+
+The parts (:class:`~alignlit.rollout.collector.Collector`, :class:`~alignlit.rollout.ahead.AheadCollector`,
+:class:`~alignlit.modules.trajectory_maker.TrajectoryMaker`, :class:`~alignlit.modules.online_prompts.TrainingPrompts`,
+:class:`~alignlit.modules.online_parts.PtxMixer`, :class:`~alignlit.modules.online_parts.Validation`) hold their
+own settings and state; the module holds the models, the KL controller, the policy's version, the LR schedules,
+gradient clipping, the statistics over data-parallel ranks and the curves, and checkpoints
+``{part: part.state_dict()}`` (:meth:`OnlineModule.checkpoint_parts`) without the frozen models.
 """
 
 from __future__ import annotations
@@ -26,35 +25,48 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from alignlit.data.sampler import data_parallel_rank
-from alignlit.hub import Pretrained, is_repo_id, resolve_model
-from alignlit.models.loading import check_dtype, model_source
+from alignlit.data.sampler import data_parallel_rank, scheduled_batch
+from alignlit.hub import Pretrained
+from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, Optim, check_finite, load_policy_and_reference
-from alignlit.modules.collect import TrajectoryBuilder
+from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.modules.online_parts import (
-    DataParallelStats,
     KLPenalty,
     PhaseDisplay,
     PtxMix,
     PtxMixer,
     TrainedModel,
-    ValidationSampling,
+    Validation,
+    all_reduce_sum,
+    data_parallel_group,
+    load_online_models,
+    update_kl_controller,
 )
-from alignlit.modules.online_state import OnlineCheckpoints
+from alignlit.modules.online_prompts import TrainingPrompts
+from alignlit.modules.online_state import (
+    Progress,
+    Stateful,
+    StateOf,
+    load_parts,
+    save_parts,
+    strip_frozen,
+    write_curves,
+)
 from alignlit.modules.trajectory import Minibatches, Trajectory
+from alignlit.modules.trajectory_maker import TrajectoryMaker, resolve_correction
 from alignlit.ops import DynamicSampling, Overlong
-from alignlit.ops.rollout_correction import resolve_rollout_correction
-from alignlit.rollout.base import SamplingParams
+from alignlit.rollout.ahead import AheadCollector
+from alignlit.rollout.base import Experience, SamplingParams
+from alignlit.rollout.collector import Collector, check_collection
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn, resolve_reward
+from alignlit.rollout.reward import Reward, RewardFn
 
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
-class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, DataParallelStats, AlignModule):
+class OnlineModule(AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -75,32 +87,20 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         kl: the KL(π‖π_0) penalty in the reward, fixed or adaptive ``β`` (None: off; PPO's default is on).
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
         max_grad_norm: global gradient-norm clipping of each trained model (None: off).
-        tis_cap: truncated importance sampling of the rollout/trainer mismatch (algorithms.md §11):
-            each token's policy loss is weighted by ``min(π_old(y_t)/μ(y_t), C)``, ``μ`` the engine's
-            sampling distribution, ``C = tis_cap`` (None: off). The mismatch itself is logged every
-            rollout either way (``mismatch/*``). With asynchronous rollouts (``rollout.max_staleness``) the
-            recomputed ``π_old`` is the proximal policy and the weight corrects the staleness too: AReaL's
-            decoupled PPO.
-        rollout_correction: a registered rollout correction (:data:`alignlit.ops.ROLLOUT_CORRECTIONS`:
-            ``"tis"``, ``"seq_tis"``, ``"geo_mask"``, ``"icepop"``) weighting each token's policy loss for
-            the rollout/trainer mismatch, with ``rollout_correction_args`` (``{cap: 2.0}``; IcePop's ``{low,
-            high}``); ``tis_cap: C`` is ``"tis"`` with ``{cap: C}``. Logged: ``rollout_correction/*`` (shares of
-            tokens and sequences masked or capped, the mean weight). None: off.
-        rollout_correction_args: the keyword arguments of ``rollout_correction``.
-        old_logprobs: ``π_old``, the denominator of the policy ratio: ``"recompute"``d by the trainer (the
-            default; mismatch metrics and ``tis_cap`` apply), or the engine's ``"behaviour"`` log-probs ``μ``
-            (no recompute forward; verl's and prime-rl's asynchronous anchor; ``tis_cap`` does not apply).
-        dynamic_sampling: DAPO dynamic sampling (keep the groups whose rewards differ, refill from more
-            prompts; needs ``samples_per_prompt >= 2``; single process); None: off.
+        tis_cap: truncated importance sampling ``min(π_old(y_t)/μ(y_t), C)`` of the rollout/trainer mismatch,
+            ``C = tis_cap`` (None: off; :func:`~alignlit.modules.trajectory_maker.resolve_correction`).
+        rollout_correction: a registered rollout correction (:data:`alignlit.ops.ROLLOUT_CORRECTIONS`: ``"tis"``,
+            ``"seq_tis"``, ``"geo_mask"``, ``"icepop"``; None: off; ``resolve_correction``).
+        rollout_correction_args: the keyword arguments of ``rollout_correction`` (``{cap: 2.0}``).
+        old_logprobs: ``π_old``: ``"recompute"``d by the trainer, or the engine's ``"behaviour"`` log-probs ``μ``
+            (``resolve_correction``).
+        dynamic_sampling: DAPO dynamic sampling (:class:`~alignlit.rollout.collector.Collector`; None: off).
         overlong: DAPO's filtering of, or penalty on, responses cut at the token limit; None: off.
         ptx: SFT data mixed into policy updates and scored as ``val/sft_nll`` (None: off).
-        prompt_filter: drop training prompts with low reward variance under the initial policy
-            (ChatGLM §3.4), applied to the DataModule's ``train_prompts`` at the start of fit; the kept
-            prompts are saved in checkpoints, so a resume trains on the same ones.
-        gold: a reward scored on validation samples as ``val/gold`` (e.g. the simulated task's gold
-            reward); None: not logged.
-        val_sampling: sampling of validation responses (default: the rollout's); validation batch
-            ``i`` is sampled with seed ``rollout.seed + i``.
+        prompt_filter: drop training prompts with low reward variance under the initial policy (ChatGLM §3.4;
+            :class:`~alignlit.modules.online_prompts.TrainingPrompts`; None: off).
+        gold: a reward scored on validation samples as ``val/gold`` (None: not logged).
+        val_sampling: sampling of validation responses (default: the rollout's; seeded ``rollout.seed + i``).
         reward_batch_size: samples per reward-model forward pass.
         dtype: dtype of the loaded models.
         curves_file: PNG of the monitoring curves written at the end of fit (default:
@@ -132,6 +132,9 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
     """Arguments left out of the checkpoint's hyperparameters (objects; the CLI records the config)."""
     min_loss_tokens: int = 1
     """A rollout with fewer loss tokens (over every rank) is skipped and counted."""
+    needs_logprobs: ClassVar[bool] = True
+    """Whether the stage trains on the sampled tokens' old and reference log-probs (online DPO and RRHF
+    re-read the texts)."""
 
     def __init__(
         self,
@@ -168,92 +171,66 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         self.rollout = rollout if rollout is not None else RolloutLoop()
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-        if tis_cap is not None and tis_cap < 1:
-            raise ValueError(f"tis_cap must be >= 1 or None, got {tis_cap}")
-        if tis_cap is not None and rollout_correction is not None:
-            raise ValueError(
-                f"give tis_cap ({tis_cap}) or rollout_correction ({rollout_correction!r}), not both: tis_cap C is "
-                "rollout_correction 'tis' with rollout_correction_args {cap: C}"
-            )
-        if rollout_correction_args is not None and rollout_correction is None:
-            raise ValueError("rollout_correction_args given without rollout_correction (a registered name)")
-        if tis_cap is not None:
-            rollout_correction, rollout_correction_args = "tis", {"cap": tis_cap}
-        self.correction = (
-            resolve_rollout_correction(rollout_correction, rollout_correction_args)
-            if rollout_correction
-            else None
-        )
-        if old_logprobs not in ("recompute", "behaviour") or (
-            old_logprobs == "behaviour" and self.correction is not None
-        ):
-            raise ValueError(
-                f"old_logprobs must be 'recompute' or 'behaviour' (then without tis_cap or rollout_correction: "
-                f"π_old is μ), got {old_logprobs!r} with rollout correction {rollout_correction!r}"
-            )
+        correction = resolve_correction(tis_cap, rollout_correction, rollout_correction_args, old_logprobs)
         if reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {reward_batch_size}")
-        if dynamic_sampling is not None and self.rollout.samples_per_prompt < 2:
-            raise ValueError(
-                f"dynamic_sampling compares the rewards of a prompt's samples: rollout.samples_per_prompt must be "
-                f">= 2, got {self.rollout.samples_per_prompt}"
-            )
-        if (
-            overlong is not None
-            and overlong.mode == "penalty"
-            and overlong.buffer > self.rollout.sampling.max_new_tokens
-        ):
-            raise ValueError(
-                f"overlong.buffer ({overlong.buffer}) must be <= rollout.sampling.max_new_tokens "
-                f"({self.rollout.sampling.max_new_tokens})"
-            )
+        check_collection(self.rollout, overlong=overlong, dynamic_sampling=dynamic_sampling)
         self.automatic_optimization = False
         self.gradient_checkpointing, self.shard_frozen = gradient_checkpointing, shard_frozen
-        self.max_grad_norm, self.tis_cap, self.old_logprobs = max_grad_norm, tis_cap, old_logprobs
+        self.max_grad_norm = max_grad_norm
         self.minibatch_plan = minibatches
         self.kl, self.kl_ctl = kl, (kl.controller() if kl is not None else None)
-        self.dynamic_sampling, self.overlong = dynamic_sampling, overlong
         self.ptx_mixer = PtxMixer(ptx)
-        self.prompt_filter, self.gold, self.val_sampling = prompt_filter, gold, val_sampling
         self.curves_file = curves_file
 
-        self.policy, self.tokenizer, self.reference = load_policy_and_reference(
-            self, policy, reference, copy_policy=True, dtype=dtype, frozen_dtype=frozen_dtype,
-            gradient_checkpointing=gradient_checkpointing,
+        models = load_online_models(
+            self, policy, reference, reward, dtype=dtype, frozen_dtype=frozen_dtype,
+            gradient_checkpointing=gradient_checkpointing, reward_batch_size=reward_batch_size,
         )  # fmt: skip
-        limit = getattr(self.policy.config, "max_position_embeddings", None)
+        self.policy, self.tokenizer, self.reference, self.reward = models[:4]
+        self._policy_dir, self._tokenizer_dir, limit = (
+            models.policy_dir,
+            models.tokenizer_dir,
+            models.position_limit,
+        )
         if limit is not None and self.rollout.sampling.max_new_tokens >= limit:
             raise ValueError(
                 f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}) leaves no room for a "
                 f"prompt in the policy's {limit} positions (max_position_embeddings)"
             )
-        # the local directory the policy was loaded from (a hub id's snapshot, not the id): what the vLLM
-        # engine is built from (RolloutLoop.setup), and where the ptx data's tokenizer is read
-        source = model_source(self.policy)
-        self._policy_dir = source["dir"] if source is not None else None
-        self._tokenizer_dir = policy.tokenizer if isinstance(policy, TinyLlama) else self._policy_dir
-        if isinstance(reward, str) and is_repo_id(reward) and not Path(reward).exists():
-            reward = str(resolve_model(reward, what="reward model"))  # a reward model by hub id
-        self.reward = resolve_reward(reward, batch_size=reward_batch_size, dtype=frozen_dtype)
         model = getattr(self.reward, "model", None)
         # registered as a submodule so it follows the module's device; left out of checkpoints
         self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
 
-        self.policy_version = 0
-        """The version of the policy's weights: the training steps (rollouts) that updated it so far, each
-        with all its minibatch steps; recorded on every sample, and the unit of ``rollout.max_staleness``."""
-        self.minibatch_generator = torch.Generator().manual_seed(self.rollout.seed)
-        self.refill_generator = torch.Generator().manual_seed(self.rollout.seed)
-        self.restored_batches: tuple[dict, dict] = ({}, {})
-        """Rollouts generated ahead but not trained on at the checkpoint (``max_staleness >= 1``)."""
-        self.kept_prompts: list[str] | None = None
-        """The training prompts the prompt filter kept (None: no filter, or not run yet)."""
-        self.history: list[dict[str, float]] = []
-        self.skipped_rollouts = self.trained_rollouts = 0
+        # the parts of one online step (module docstring)
+        self.collector = Collector(
+            self.rollout, self.reward, pad_id=self.tokenizer.pad_token_id, overlong=overlong,
+            dynamic_sampling=dynamic_sampling,
+        )  # fmt: skip
+        self.ahead = AheadCollector(self.collector)
+        self.trajectories = TrajectoryMaker(
+            self.policy, self.reference, temperature=self.rollout.sampling.temperature,
+            task_rewards=self.collector.task_rewards, needs_logprobs=self.needs_logprobs, old_logprobs=old_logprobs,
+            overlong_filter=overlong is not None and overlong.mode == "filter",
+            kl_estimator=kl.estimator if kl is not None else None, kl_ctl=self.kl_ctl, correction=correction,
+        )  # fmt: skip
+        self.prompts = TrainingPrompts(
+            self.rollout,
+            self.tokenizer,
+            position_limit=limit,
+            val_sampling=val_sampling,
+            prompt_filter=prompt_filter,
+        )
+        self.validation = Validation(
+            self.rollout, self.reward, self.trajectories, self.ptx_mixer, gold=gold, sampling=val_sampling
+        )
+
+        self.progress = Progress(self.rollout.seed)
+        self.resume_notice = ""
+        """Why a resumed asynchronous run cannot match the uninterrupted one ("" when it can)."""
         self._phase = PhaseDisplay()
         self._stepped: set[int] = set()
         self._planned_rollouts = 1
-        self._val_records: list[dict[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ what a stage implements
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
@@ -297,7 +274,7 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self._trainer is not None else 1
-        if self.dynamic_sampling is not None and world > 1:
+        if self.collector.dynamic_sampling is not None and world > 1:
             raise ValueError(
                 f"dynamic_sampling keeps a different number of groups on each rank, so the {world} ranks "
                 "would take different numbers of optimizer steps: run it in a single process"
@@ -313,7 +290,8 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         self.ptx_mixer.setup(self._tokenizer_dir, self._trainer)
 
     def on_fit_start(self) -> None:
-        self.prepare_prompts(self.trainer.datamodule)
+        dm = self.trainer.datamodule
+        self.collector.pool = self.prompts.prepare(dm, self.reward, version=self.progress.policy_version)
 
     def on_train_start(self) -> None:
         planned = self.trainer.estimated_stepping_batches
@@ -331,13 +309,92 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         ]
 
     # ------------------------------------------------------------------ one rollout
+    def training_step(self, prompts: list[str], batch_idx: int) -> None:
+        experience, metrics = self.collect(prompts)
+        metrics |= self.learn(experience)
+        self.record(metrics, len(prompts))
+
+    def collect(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
+        """This step's experience, generated now by the current policy (the collector) or, with
+        ``rollout.max_staleness >= 1``, ahead (:meth:`collect_ahead`); ``time/rollout_s``."""
+        self._phase.show(self.trainer, "rollout")
+        start = time.perf_counter()
+        if self.rollout.max_staleness:
+            experience, metrics = self.collect_ahead(prompts)
+        else:
+            experience, metrics = self.collector.collect(prompts, version=self.progress.policy_version)
+        return experience, {**metrics, "time/rollout_s": time.perf_counter() - start}
+
+    def collect_ahead(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
+        """This step's experience from the ahead-collector, given the prompts of every step
+        (:func:`~alignlit.data.sampler.scheduled_batch` of the training loader) and the run's last step."""
+        trainer = self.trainer
+
+        def schedule(index: int) -> list[str]:
+            return scheduled_batch(trainer.train_dataloader, index, int(trainer.num_training_batches))
+
+        version, last = self.progress.policy_version, self._planned_rollouts - 1
+        return self.ahead.collect(prompts, version=version, schedule=schedule, last=last)
+
+    def learn(self, experience: Experience | None) -> dict[str, float]:
+        """Make the experience's trajectory, decide on every rank whether it has enough loss tokens, train the
+        stage on it (:meth:`train_on`), adapt the KL controller and step the LR schedules of the models it
+        updated; ``time/train_s``, ``lr/*``."""
+        self._phase.show(self.trainer, "train")
+        start, self._stepped = time.perf_counter(), set()
+        if experience is None:
+            metrics = self.skip("every group's rewards are equal (no informative group)")
+        else:
+            trajectory, metrics = self.make_trajectory(experience)
+            tokens = int(self.all_reduce_sum(trajectory.loss_mask.sum()))  # decided over every rank
+            if tokens < self.min_loss_tokens:
+                metrics |= self.skip(f"{tokens} loss token(s), {self.stage} needs {self.min_loss_tokens}")
+            else:
+                metrics |= self.train_on(trajectory)
+                if self.kl_ctl is not None and 0 in self._stepped:  # the mean KL over the global batch
+                    kl_sum, count = metrics["kl/ref"] * len(trajectory), len(trajectory)
+                    update_kl_controller(self.kl_ctl, kl_sum, count, self.all_reduce_sum, self.device)
+        schedulers = self._listed(self.lr_schedulers())
+        for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
+            schedulers[index].step()
+        self.progress.trained_rollouts += bool(self._stepped)
+        self.progress.policy_version += 0 in self._stepped  # the policy (trained model 0) took the updates
+        metrics["time/train_s"] = time.perf_counter() - start
+        for trained, scheduler in zip(self.trained_models(), schedulers):
+            metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
+        return metrics
+
+    def record(self, metrics: dict[str, float], batch_size: int) -> None:
+        """Add the step's counters to ``metrics``, append them to the history and log them."""
+        progress = self.progress
+        metrics["rollout"] = float(self.rollout.rollouts)
+        metrics["rollout/skipped_total"] = float(progress.skipped_rollouts)
+        metrics["policy/version"] = float(progress.policy_version)
+        progress.history.append(dict(metrics))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        shown = {name: metrics[k] for name, k in (("reward", "reward/raw"), ("kl", "kl/ref")) if k in metrics}
+        self.log_dict(shown, prog_bar=True, logger=False, batch_size=batch_size)
+
+    def make_trajectory(self, experience: Experience) -> tuple[Trajectory, dict[str, float]]:
+        """The :class:`Trajectory` of an accepted experience for the current policy version on this module's
+        device (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.make`)."""
+        return self.trajectories.make(experience, version=self.progress.policy_version, device=self.device)
+
+    def logprobs(
+        self, model: torch.nn.Module, ids: tuple[torch.Tensor, ...], *, temperature=None
+    ) -> torch.Tensor:
+        """(N, T) log-probs of the response tokens ``ids`` under ``model`` on this module's device
+        (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.logprobs`)."""
+        return self.trajectories.logprobs(model, ids, device=self.device, temperature=temperature)
+
+    # ------------------------------------------------------------------ what train_on calls
     def _listed(self, value) -> list:
         return value if isinstance(value, list) else [value]
 
     def minibatches(self, num_rows: int) -> Iterator[torch.Tensor]:
         """The row indices of each optimiser step over ``num_rows`` rows (``minibatches``, drawn with the
         stage's seeded generator, saved in checkpoints)."""
-        return self.minibatch_plan.plan(num_rows, self.minibatch_generator)
+        return self.minibatch_plan.plan(num_rows, self.progress.minibatch_generator)
 
     def trainable(self, trajectory: Trajectory) -> Trajectory:
         """The samples to update on: those with a loss token; with several ranks all of them (masked),
@@ -363,50 +420,9 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         self._stepped.add(index)
         return norm
 
-    def training_step(self, prompts: list[str], batch_idx: int) -> None:
-        self._phase.show(self.trainer, "rollout")
-        start = time.perf_counter()
-        experience, metrics = self.collect(prompts)
-        metrics["time/rollout_s"] = time.perf_counter() - start
-
-        self._phase.show(self.trainer, "train")
-        start = time.perf_counter()
-        self._stepped = set()
-        metrics.update(self._train(experience) if experience is not None else self.skip(
-            "every group's rewards are equal (no informative group)"
-        ))  # fmt: skip
-        schedulers = self._listed(self.lr_schedulers())
-        for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
-            schedulers[index].step()
-        self.trained_rollouts += bool(self._stepped)
-        self.policy_version += 0 in self._stepped  # the policy (trained model 0) took this step's updates
-        metrics["time/train_s"] = time.perf_counter() - start
-        for trained, scheduler in zip(self.trained_models(), schedulers):
-            metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
-        metrics["rollout"] = float(self.rollout.rollouts)
-        metrics["rollout/skipped_total"] = float(self.skipped_rollouts)
-        metrics["policy/version"] = float(self.policy_version)
-        self.history.append(dict(metrics))
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
-        shown = {name: metrics[k] for name, k in (("reward", "reward/raw"), ("kl", "kl/ref")) if k in metrics}
-        self.log_dict(shown, prog_bar=True, logger=False, batch_size=len(prompts))
-
-    def _train(self, experience) -> dict[str, float]:
-        trajectory, metrics = self.make_trajectory(experience)
-        tokens = int(self.all_reduce_sum(trajectory.loss_mask.sum()))  # decided over every rank
-        if tokens < self.min_loss_tokens:
-            return {
-                **metrics,
-                **self.skip(f"{tokens} loss token(s), {self.stage} needs {self.min_loss_tokens}"),
-            }
-        metrics.update(self.train_on(trajectory))
-        if self.kl_ctl is not None and 0 in self._stepped:  # the mean KL over the global batch's responses
-            self.update_kl_controller(self.kl_ctl, metrics["kl/ref"] * len(trajectory), len(trajectory))
-        return metrics
-
     def skip(self, reason: str) -> dict[str, float]:
         """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
-        self.skipped_rollouts += 1
+        self.progress.skipped_rollouts += 1
         print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
         return {"rollout/skipped": 1.0}
 
@@ -416,6 +432,64 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         check_finite(loss, what=what, step=self.global_step, metrics=metrics)
         return loss
 
+    # ------------------------------------------------------------------ over the data-parallel ranks
+    def data_parallel_group(self):
+        """The process group of the data-parallel ranks (:func:`~alignlit.modules.online_parts.data_parallel_group`)."""
+        return data_parallel_group(self.device_mesh)
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
+        return all_reduce_sum(values.to(self.device), self.data_parallel_group())
+
+    def batch_all_reduce(self):
+        """The ``all_reduce`` the ops take for statistics over the global batch (:data:`alignlit.ops.stats.AllReduce`):
+        :meth:`all_reduce_sum` when a process group is initialised, else None (the ops' local statistics)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return self.all_reduce_sum
+        return None
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
+        self.validation.sample(prompts, batch_idx, version=self.progress.policy_version, device=self.device)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.validation.metrics(self.policy, self.device)
+        if metrics and not self.trainer.sanity_checking:
+            self.log_dict(metrics, sync_dist=True)
+        if metrics:  # the sanity check before training (num_sanity_val_steps: -1) is the curves' start
+            self.progress.history.append({"rollout": float(self.rollout.rollouts), **metrics})
+
+    # ------------------------------------------------------------------ checkpoints and the end of fit
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """The parts whose state an online checkpoint holds, by name (:mod:`alignlit.modules.online_state`);
+        the ahead-collector first: saving it drains the producer, so the others' state settles."""
+        parts: dict[str, Stateful] = {
+            "ahead": self.ahead,
+            "rollout": self.rollout,
+            "collector": self.collector,
+        }
+        parts |= {"prompts": self.prompts, "ptx": self.ptx_mixer, "progress": self.progress}
+        parts |= {"kl": self.kl_ctl} if self.kl_ctl is not None else {}
+        return parts | {"stage": StateOf(self.online_state_dict, self.load_online_state_dict)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save every part's state under ``<stage>_state``, the frozen models left out."""
+        strip_frozen(checkpoint, self.frozen_prefixes())
+        checkpoint[f"{self.stage}_state"] = save_parts(self.checkpoint_parts())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        key = f"{self.stage}_state"
+        if key not in checkpoint:
+            raise KeyError(f"checkpoint has no {key!r}: it was not written by {type(self).__name__}")
+        for prefix in self.frozen_prefixes():  # the frozen models' weights as loaded
+            module = getattr(self, prefix.rstrip("."))
+            checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
+        load_parts(self.checkpoint_parts(), checkpoint[key], what=f"the checkpoint's {key!r}")
+        self.resume_notice = self.ahead.resume_notice()
+        if self.resume_notice:
+            print(self.resume_notice, flush=True)
+
     def teardown(self, stage: str) -> None:
         self.rollout.stop_pipeline()
 
@@ -423,14 +497,20 @@ class OnlineModule(TrajectoryBuilder, OnlineCheckpoints, ValidationSampling, Dat
         self.rollout.stop_pipeline()
         self.write_curves()
         if self.global_rank == 0:
-            print(
-                f"alignlit: {self.stage}: {self.trained_rollouts} rollout(s) trained, {self.skipped_rollouts} "
-                f"skipped, policy version {self.policy_version}"
-            )
-            if self.trained_rollouts == 0:
+            print(self.progress.summary(self.stage))
+            if self.progress.trained_rollouts == 0:
                 warnings.warn(
-                    f"{self.stage}: no rollout was trained (all {self.skipped_rollouts} skipped): the export "
-                    "is the starting policy",
+                    f"{self.stage}: no rollout was trained (all {self.progress.skipped_rollouts} skipped): the "
+                    "export is the starting policy",
                     stacklevel=1,
                 )
         super().on_fit_end()
+
+    def write_curves(self) -> Path | None:
+        """Plot the monitoring history (PNG, ``curves_file``, default ``<log dir>/<stage>_curves.png``) and
+        write it as JSON next to it, on rank 0. Every rank calls it (``trainer.log_dir`` is a collective)."""
+        root = self.trainer.log_dir or self.trainer.default_root_dir
+        out = self.curves_file or str(Path(root) / f"{self.stage}_curves.png")
+        if self.global_rank != 0:
+            return None
+        return write_curves(self.progress.history, out, stage=self.stage, panels=self.curve_panels)

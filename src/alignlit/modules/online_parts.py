@@ -3,8 +3,10 @@
 - :class:`KLPenalty` and :class:`PtxMix`: the KL-control and ptx settings a stage takes from its config;
 - :class:`PtxMixer`: the ptx (SFT-loss) data, its loader's position and the policy's NLL on it;
 - :class:`PhaseDisplay`: the phase of an online step in the progress bar;
-- :class:`DataParallelStats`: sums and controllers over the global batch of several data-parallel ranks;
-- :class:`ValidationSampling`: the validation steps (held-out samples scored and compared with ``π_0``);
+- :class:`Validation`: the validation samples (held-out prompts scored and compared with ``π_0``);
+- :func:`load_online_models`: the policy, its reference and the reward;
+- :func:`data_parallel_group`, :func:`all_reduce_sum`, :func:`update_kl_controller`: sums and controllers
+  over the data-parallel ranks;
 - :class:`TrainedModel` and :func:`mean_metrics`: what a stage trains and the average of its minibatch
   metrics.
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -19,10 +22,16 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 from alignlit.data.sft import SFTDataModule
+from alignlit.hub import Pretrained, is_repo_id, resolve_model
 from alignlit.losses.lm import masked_nll, shift_for_next_token
-from alignlit.modules.base import Optim
+from alignlit.models.loading import model_source
+from alignlit.models.tiny import TinyLlama
+from alignlit.modules.base import AlignModule, Optim, load_policy_and_reference
+from alignlit.modules.trajectory_maker import TrajectoryMaker
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
-from alignlit.rollout.reward import score_rollout
+from alignlit.rollout.base import SamplingParams
+from alignlit.rollout.loop import RolloutLoop
+from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,84 +210,131 @@ class PhaseDisplay(L.Callback):
             bar.refresh()
 
 
-class DataParallelStats:
-    """Statistics over the global batch of several data-parallel ranks: the methods
-    :class:`~alignlit.modules.online.OnlineModule` (a LightningModule: ``device_mesh``, ``device``)
-    takes from this base and a stage calls to decide, normalise or adapt over every rank as one
-    process would over the same batch."""
+class Validation:
+    """The validation of an online stage: each validation batch is sampled once (``sampling``, default the
+    rollout's, seeded ``rollout.seed + i`` for batch ``i``) and scored: ``val/reward``, ``val/gold`` (with
+    ``gold``), ``val/kl`` (the engine's log-probs against the reference's, summed over the response) and
+    ``val/length``, averaged over the epoch by :meth:`metrics`, and with ptx validation data ``val/sft_nll``.
 
-    def data_parallel_group(self):
-        """The process group of the data-parallel ranks (None: the default group). Tensor-parallel peers
-        hold the same samples, so statistics over the global batch are summed over this group only."""
-        mesh = self.device_mesh
-        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-            return mesh["data_parallel"].get_group()
-        return None
+    Args:
+        loop: the rollout loop that samples.
+        reward: the stage's reward.
+        trajectories: what computes the reference's log-probs (its ``reference``).
+        ptx: the ptx mixer (``val/sft_nll`` on its validation data).
+        gold: a reward scored as ``val/gold`` (None: not logged).
+        sampling: the validation sampling (None: the rollout's).
+    """
 
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
-        out = values.detach().clone().to(self.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(out, group=self.data_parallel_group())
-        return out
+    def __init__(
+        self,
+        loop: RolloutLoop,
+        reward: Reward,
+        trajectories: TrajectoryMaker,
+        ptx: PtxMixer,
+        *,
+        gold: RewardFn | None = None,
+        sampling: SamplingParams | None = None,
+    ):
+        self.loop, self.reward, self.trajectories, self.ptx = loop, reward, trajectories, ptx
+        self.gold, self.sampling = gold, sampling
+        self.records: list[dict[str, torch.Tensor]] = []
 
-    def batch_all_reduce(self):
-        """The ``all_reduce`` the ops take to compute statistics over the global batch
-        (:data:`alignlit.ops.stats.AllReduce`): :meth:`all_reduce_sum` when a process group is
-        initialised, else None (one process: the ops' local statistics)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return self.all_reduce_sum
-        return None
-
-    def update_kl_controller(self, controller, kl_sum: float, count: int) -> float:
-        """Adapt ``controller`` to the mean KL per response over the global batch (``kl_sum`` and ``count``
-        summed over the data-parallel ranks), counting the global batch's responses as its steps, so
-        that every rank holds the value one process would over the same batch. Returns that mean."""
-        totals = self.all_reduce_sum(
-            torch.tensor([kl_sum, float(count)], dtype=torch.float64, device=self.device)
-        )
-        mean = float(totals[0] / totals[1])
-        controller.update(mean, round(float(totals[1])))
-        return mean
-
-
-class ValidationSampling:
-    """Validation of an online stage, the methods :class:`~alignlit.modules.online.OnlineModule` takes
-    from this base: each validation batch is sampled once (``val_sampling``, seeded ``rollout.seed + i``)
-    and scored: ``val/reward``, ``val/gold`` (with ``gold``), ``val/kl`` (the engine's log-probs against
-    the reference's, summed over the response), ``val/length``, and ``val/sft_nll`` with ptx data."""
-
-    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
-        sampling = self.val_sampling or self.rollout.sampling
-        sampling = dataclasses.replace(sampling, seed=self.rollout.seed + batch_idx)
-        rollout = self.rollout.generate(prompts, version=self.policy_version, n=1, sampling=sampling)
+    def sample(self, prompts: list[str], batch_idx: int, *, version: int, device: torch.device) -> None:
+        """Sample and score validation batch ``batch_idx`` from the policy at ``version``."""
+        sampling = dataclasses.replace(self.sampling or self.loop.sampling, seed=self.loop.seed + batch_idx)
+        rollout = self.loop.generate(prompts, version=version, n=1, sampling=sampling)
         actions = rollout.response_mask if rollout.action_mask is None else rollout.action_mask  # episodes
-        mask = actions.to(self.device)
         ids = (rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, rollout.response_mask)
-        ref = self.logprobs(self.reference, ids, temperature=sampling.temperature)
+        maker = self.trajectories
+        ref = maker.logprobs(maker.reference, ids, device=device, temperature=sampling.temperature)
         record = {
             "val/reward": score_rollout(self.reward, rollout),
-            "val/kl": ((rollout.logprobs.to(self.device) - ref) * mask).sum(-1).cpu(),
+            "val/kl": ((rollout.logprobs.to(device) - ref) * actions.to(device)).sum(-1).cpu(),
             "val/length": actions.sum(-1).float(),
         }
         if self.gold is not None:
             record["val/gold"] = score_rollout(self.gold, rollout)
-        self._val_records.append(record)
+        self.records.append(record)
 
-    def on_validation_epoch_end(self) -> None:
-        records, self._val_records = self._val_records, []
-        metrics: dict[str, float] = {}
-        if records:
-            metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]}
-        sft_nll = self.ptx_mixer.val_nll(self.policy, self.device)
+    def metrics(self, policy: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        """The means over the epoch's samples (the records are cleared) and ``val/sft_nll`` of ``policy``."""
+        records, self.records = self.records, []
+        metrics = {k: float(torch.cat([r[k] for r in records]).mean()) for k in records[0]} if records else {}
+        sft_nll = self.ptx.val_nll(policy, device)
         if sft_nll is not None:
             metrics["val/sft_nll"] = sft_nll
-        if metrics:
-            if not self.trainer.sanity_checking:
-                self.log_dict(metrics, sync_dist=True)
-            # the sanity check before training (``num_sanity_val_steps: -1`` runs all validation
-            # batches) is the curves' starting point
-            self.history.append({"rollout": float(self.rollout.rollouts), **metrics})
+        return metrics
+
+
+def data_parallel_group(mesh):
+    """The process group of the data-parallel ranks of a device ``mesh`` (None: the default group).
+    Tensor-parallel peers hold the same samples, so statistics over the global batch are summed over this
+    group only."""
+    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+        return mesh["data_parallel"].get_group()
+    return None
+
+
+def all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
+    """``values`` summed over the ranks of ``group`` (a copy; unchanged in a single process)."""
+    out = values.detach().clone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(out, group=group)
+    return out
+
+
+def update_kl_controller(controller, kl_sum: float, count: int, all_reduce_sum, device) -> float:
+    """Adapt ``controller`` to the mean KL per response over the global batch (``kl_sum`` and ``count``
+    summed over the data-parallel ranks by ``all_reduce_sum``, the global batch's responses counted as its
+    steps), so that every rank holds the value one process would over the same batch. Returns that mean."""
+    totals = all_reduce_sum(torch.tensor([kl_sum, float(count)], dtype=torch.float64, device=device))
+    mean = float(totals[0] / totals[1])
+    controller.update(mean, round(float(totals[1])))
+    return mean
+
+
+class OnlineModels(NamedTuple):
+    """The models of an online stage, as :func:`load_online_models` loads them."""
+
+    policy: torch.nn.Module
+    tokenizer: Any
+    reference: torch.nn.Module | None
+    reward: Reward
+    policy_dir: str | None
+    """The local directory the policy was loaded from (a hub id's snapshot, not the id): what the vLLM
+    engine is built from (:meth:`~alignlit.rollout.RolloutLoop.setup`)."""
+    tokenizer_dir: str | None
+    """Where the ptx data's tokenizer is read."""
+    position_limit: int | None
+    """The policy's ``max_position_embeddings`` (None: unlimited)."""
+
+
+def load_online_models(
+    module: AlignModule,
+    policy: str | TinyLlama | Pretrained,
+    reference: str | Pretrained | None,
+    reward: str | Reward,
+    *,
+    dtype: str,
+    frozen_dtype: str,
+    gradient_checkpointing: bool,
+    reward_batch_size: int,
+) -> OnlineModels:
+    """The trained policy, its frozen reference (:func:`~alignlit.modules.base.load_policy_and_reference`)
+    and the reward (:func:`~alignlit.rollout.reward.resolve_reward`; a reward model by hub id is fetched)."""
+    model, tokenizer, ref = load_policy_and_reference(
+        module, policy, reference, copy_policy=True, dtype=dtype, frozen_dtype=frozen_dtype,
+        gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
+    source = model_source(model)
+    policy_dir = source["dir"] if source is not None else None
+    if isinstance(reward, str) and is_repo_id(reward) and not Path(reward).exists():
+        reward = str(resolve_model(reward, what="reward model"))
+    return OnlineModels(
+        model, tokenizer, ref, resolve_reward(reward, batch_size=reward_batch_size, dtype=frozen_dtype), policy_dir,
+        policy.tokenizer if isinstance(policy, TinyLlama) else policy_dir,
+        getattr(model.config, "max_position_embeddings", None),
+    )  # fmt: skip
 
 
 class TrainedModel(NamedTuple):

@@ -159,7 +159,7 @@ class PPOModule(OnlineModule):
             seed = self.rollout.seed + BASELINE_SEED_OFFSET + self.rollout.rollouts
             sampling = dataclasses.replace(self.rollout.sampling, seed=seed)
             ref_rollout = self.rollout.generate(
-                missing, version=self.policy_version, n=1, sampling=sampling, model=self.reference
+                missing, version=self.progress.policy_version, n=1, sampling=sampling, model=self.reference
             )
             for prompt, value in zip(missing, score_rollout(self.reward, ref_rollout).tolist()):
                 self.baseline_cache[prompt] = value

@@ -90,11 +90,14 @@ class Experience:
             :class:`~alignlit.rollout.base.Rollout`.
         rewards: (N,) float32, the reward function's score of each sample.
         versions: (N,) long, the policy version that generated each sample.
+        metrics: how it was made: the generation's timings and throughput, the engine sync, the episodes'
+            and the reward's counters (:meth:`~alignlit.rollout.RolloutLoop.collect`).
     """
 
     rollout: Rollout
     rewards: torch.Tensor
     versions: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.versions is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -166,16 +165,6 @@ class RolloutLoop:
         self.engine_version: int | None = None
         """The policy version whose weights the engine holds (None: unknown, sync before generating)."""
         self._frozen_engines: dict[int, HFEngine] = {}
-        self._local = threading.local()
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        """Timings and throughput of this thread's last :meth:`generate` / :meth:`collect` call."""
-        return getattr(self._local, "metrics", {})
-
-    @metrics.setter
-    def metrics(self, value: dict[str, float]) -> None:
-        self._local.metrics = value
 
     def setup(
         self,
@@ -332,6 +321,19 @@ class RolloutLoop:
         model: torch.nn.Module | None = None,
         engine: RolloutEngine | None = None,
     ) -> Rollout:
+        """:meth:`sample` without its metrics."""
+        return self.sample(prompts, version=version, n=n, sampling=sampling, model=model, engine=engine)[0]
+
+    def sample(
+        self,
+        prompts: Sequence[str],
+        *,
+        version: int = 0,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
+        model: torch.nn.Module | None = None,
+        engine: RolloutEngine | None = None,
+    ) -> tuple[Rollout, dict[str, float]]:
         """Sample ``n`` (default ``samples_per_prompt``) responses per prompt from the policy at ``version``
         (the engine is synced first when it holds another version: a caller that changes the policy's
         weights passes a new version, as the online stages do with their optimiser steps).
@@ -340,8 +342,9 @@ class RolloutLoop:
         and counted. With an explicit ``sampling`` (evaluation, prompt filtering, refills) its own seed
         is used and the rollout counter is untouched. ``model`` samples from another, frozen model
         instead of the policy (e.g. the reference ``π_0``), with Hugging Face ``generate``; ``engine`` samples
-        with an engine whose weights the caller manages (the asynchronous producer's). Timings go to
-        :attr:`metrics`.
+        with an engine whose weights the caller manages (the asynchronous producer's). Returns the rollout and
+        the metrics of its making (timings, throughput, sync, parity, episodes): nothing is kept on the loop, so
+        the trainer and the asynchronous producer can sample from one loop.
         """
         default, policy = self._require_setup()
         managed = engine is not None or model is not None
@@ -356,7 +359,9 @@ class RolloutLoop:
                 return self._generate(engine, policy, prompts, version, n, sampling, managed)
         return self._generate(engine, policy, prompts, version, n, sampling, managed)
 
-    def _generate(self, engine, policy, prompts, version, n, sampling, managed) -> Rollout:
+    def _generate(
+        self, engine, policy, prompts, version, n, sampling, managed
+    ) -> tuple[Rollout, dict[str, float]]:
         metrics: dict[str, float] = {}
         synced = False
         if not managed and self.engine_version != version:
@@ -409,8 +414,7 @@ class RolloutLoop:
             metrics.update(self._verify_snapshot(rollout, sampling.temperature))
         if counted:
             self.rollouts += 1
-        self.metrics = metrics
-        return rollout
+        return rollout, metrics
 
     def collect(
         self,
@@ -423,17 +427,18 @@ class RolloutLoop:
     ) -> Experience:
         """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
         (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given.
-        ``engine``: see :meth:`generate`."""
+        ``engine``: see :meth:`sample`. The experience carries the metrics of its making and scoring."""
         if self.environment is not None and not isinstance(reward, EpisodeReturn):
             raise ValueError(
                 f"rollout.environment is set, so the reward must be the episodes' return: "
                 f"alignlit.rollout.EpisodeReturn (optionally with a reward of the transcript), got {type(reward).__name__}"
             )
-        rollout = self.generate(prompts, version=version, sampling=sampling, engine=engine)
+        rollout, metrics = self.sample(prompts, version=version, sampling=sampling, engine=engine)
         start = time.perf_counter()
         rewards = score_rollout(reward, rollout)
-        self.metrics.update({"rollout/score_s": time.perf_counter() - start, **reward_counters(reward)})
-        return Experience(rollout, rewards, torch.full((len(rollout),), version, dtype=torch.long))
+        metrics.update({"rollout/score_s": time.perf_counter() - start, **reward_counters(reward)})
+        versions = torch.full((len(rollout),), version, dtype=torch.long)
+        return Experience(rollout, rewards, versions, metrics)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, for checkpoints."""

@@ -1,0 +1,146 @@
+"""Training rollouts collected ahead of the trainer (``rollout.max_staleness = k >= 1``).
+
+An :class:`AheadCollector` drives the loop's :class:`~alignlit.rollout.pipeline.RolloutPipeline`: at step
+``index`` it publishes a snapshot of the policy, submits the steps up to ``index + k`` with the prompts the
+trainer's ``schedule`` gives for them, and takes step ``index``'s experience, asserting the staleness bound
+on every sample::
+
+    experience, metrics = ahead.collect(prompts, version=v, schedule=prompts_of_step, last=final_step)
+
+The producer thread runs :meth:`AheadCollector.produce`, a :class:`~alignlit.rollout.collector.Collector`
+call on the producer's engine; it never touches the trainer's objects. The state of the pipeline (the
+finished batches not trained on yet, and the versions they were generated from) is :meth:`state_dict
+<AheadCollector.state_dict>`: saved after draining the producer, put back into the pipeline on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from alignlit.rollout.base import Experience, Rollout
+from alignlit.rollout.collector import Collector
+
+Result = tuple[Experience | None, dict[str, float]]
+"""An accepted experience (None: nothing to train on) and its metrics."""
+
+
+def experience_state(result: Result) -> dict[str, Any]:
+    """A pipeline result ``(experience, metrics)`` as plain tensors, lists and numbers (checkpoints)."""
+    experience, metrics = result
+    if experience is None:
+        return {"experience": None, "metrics": dict(metrics)}
+    rollout = {f.name: getattr(experience.rollout, f.name) for f in dataclasses.fields(experience.rollout)}
+    return {
+        "experience": {"rollout": rollout, "rewards": experience.rewards, "versions": experience.versions},
+        "metrics": dict(metrics),
+    }
+
+
+def load_experience(state: dict[str, Any]) -> Result:
+    """The inverse of :func:`experience_state`."""
+    saved = state["experience"]
+    if saved is None:
+        return None, dict(state["metrics"])
+    experience = Experience(Rollout(**saved["rollout"]), saved["rewards"], saved["versions"])
+    return experience, dict(state["metrics"])
+
+
+class AheadCollector:
+    """Generates training rollouts ahead with bounded staleness (module docstring).
+
+    Args:
+        collector: what generates, scores and accepts one step's rollout (its loop holds the pipeline).
+    """
+
+    def __init__(self, collector: Collector):
+        self.collector, self.loop = collector, collector.loop
+        self.restored: tuple[dict[int, Result], dict[int, int]] = ({}, {})
+        """Finished batches (and their versions) from a checkpoint, put back when the pipeline starts."""
+
+    def produce(self, index: int, prompts: list[str], version: int) -> Result:
+        """Step ``index``'s rollout on the pipeline's engine (which holds ``version``), seeded as the
+        synchronous rollout ``index`` is, scored and accepted; runs in the producer thread."""
+        loop = self.loop
+        return self.collector.collect(
+            prompts, version=version, seed=loop.seed + index, engine=loop.async_engine
+        )
+
+    def collect(
+        self, prompts: list[str], *, version: int, schedule: Callable[[int], list[str]], last: int
+    ) -> Result:
+        """Take step ``index = loop.rollouts``'s experience from the pipeline, after submitting the steps up
+        to ``min(index + k, last)`` (the prompts of step ``j`` are ``schedule(j)``) from the current weights
+        (``version``); ``prompts`` must be ``schedule(index)``. Asserts the staleness bound on every sample
+        and logs ``async/staleness_mean``, ``async/staleness_max``, ``async/wait_s``."""
+        loop, k = self.loop, self.loop.max_staleness
+        index = loop.rollouts
+        pipeline = loop.pipeline
+        if pipeline is None:
+            pipeline = loop.start_pipeline(self.produce)
+            pipeline.restore(*self.restored)
+        scheduled = schedule(index)
+        if list(prompts) != list(scheduled):
+            raise RuntimeError(
+                f"step {index}: the training loader gave prompts {list(prompts)[:2]}... but the rollout pipeline "
+                f"generated {list(scheduled)[:2]}... for it: the loader's order is not the sampler's"
+            )
+        ahead = [j for j in range(index, min(index + k, max(last, index)) + 1) if j not in pipeline.submitted]
+        if ahead:
+            pipeline.publish(loop.snapshot(version))
+            for j in ahead:
+                pipeline.submit(j, schedule(j), version)
+        waited = pipeline.waited_s
+        experience, metrics = pipeline.take(index)
+        loop.rollouts = index + 1
+        metrics = {**metrics, "async/wait_s": pipeline.waited_s - waited}
+        if experience is not None:
+            staleness = version - experience.versions  # (N,)
+            if int(staleness.max()) > k or int(staleness.min()) < 0:
+                raise AssertionError(
+                    f"step {index}: samples of versions {sorted(set(experience.versions.tolist()))} trained by "
+                    f"version {version}: staleness outside [0, max_staleness={k}]"
+                )
+            metrics["async/staleness_mean"] = float(staleness.float().mean())
+            metrics["async/staleness_max"] = float(staleness.max())
+        return experience, metrics
+
+    def state_dict(self) -> dict[int, dict[str, Any]]:
+        """The finished, untrained batches by step, with their versions. Drains the producer first, so
+        the state of everything it touches (the loop's counters, the collector's generator) settles:
+        call it before theirs."""
+        pipeline = self.loop.pipeline
+        ahead = pipeline.drain() if pipeline is not None else {}
+        return {
+            j: {"result": experience_state(r), "version": pipeline.submitted[j]} for j, r in ahead.items()
+        }
+
+    def load_state_dict(self, state: dict[int, dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`: the batches go back into the pipeline when it starts."""
+        self.restored = (
+            {int(j): load_experience(s["result"]) for j, s in state.items()},
+            {int(j): int(s["version"]) for j, s in state.items()},
+        )
+
+    def resume_notice(self) -> str:
+        """The notice of a resume that cannot match an uninterrupted run ("" when it can).
+
+        With ``max_staleness = k``, a checkpoint holds the ``k`` batches generated ahead of its step, from
+        the weights of ``k`` steps earlier. A checkpoint written within ``k`` steps of the end its run had
+        planned (at the end of a finished run, say) has fewer: its run never generated the batches past its
+        end. Resumed with a longer run (``max_epochs`` raised), those batches are generated from the
+        weights of the resume, staleness 0 instead of up to ``k``: a valid run, but not the one a run planned
+        that long from the start would have trained (its weights from earlier versions are gone)."""
+        k, index = self.loop.max_staleness, self.loop.rollouts
+        missing = [j for j in range(index, index + k) if j not in self.restored[0]]
+        if not k or not index or not missing:
+            return ""
+        steps = ", ".join(map(str, missing))
+        return (
+            f"alignlit: notice: this checkpoint (rollout step {index}, max_staleness {k}) holds no rollouts "
+            f"generated ahead for step(s) {steps}: it was written at (or within {k} steps of) the end its run "
+            f"had planned. If this run trains them, they are generated from the resumed weights (staleness 0), "
+            f"not from the weights of {k} step(s) earlier as in a run planned this long from the start, so the "
+            "result is a valid asynchronous run but not bit-identical to that one."
+        )
