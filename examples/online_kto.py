@@ -35,11 +35,7 @@ class OnlineKTOModule(OnlineModule):
         value = torch.sigmoid(self.beta * torch.where(desirable, r - z, z - r))
         weight = torch.where(desirable, self.weights[0], self.weights[1])
         loss = (weight * (1 - value)).mean()
-        return loss, {
-            "loss": loss.detach(),
-            "desirable": desirable.float().mean(),
-            "reward": r.detach().mean(),
-        }
+        return loss, {"loss": loss.detach(), "desirable": desirable.float().mean(), "reward": r.detach().mean()}
 
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         grouped = trajectory.rewards.view(-1, trajectory.n)  # (B, n)

@@ -281,6 +281,28 @@ class AlignModule(L.LightningModule):
         trainable = [p for p in params if p.requires_grad]
         return optim.build(trainable, total_steps=lambda: self.trainer.estimated_stepping_batches)
 
+    def data_parallel_group(self):
+        """The process group of the data-parallel ranks (None: the default group). Tensor-parallel peers
+        hold the same samples, so statistics over the global batch are summed over this group only."""
+        mesh = self.device_mesh
+        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+            return mesh["data_parallel"].get_group()
+        return None
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
+        out = values.detach().clone().to(self.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(out, group=self.data_parallel_group())
+        return out
+
+    def batch_all_reduce(self):
+        """The ``all_reduce`` the ops take for statistics over the global batch (:data:`alignlit.ops.stats.AllReduce`):
+        :meth:`all_reduce_sum` when a process group is initialised, else None (one process: local statistics)."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return self.all_reduce_sum
+        return None
+
     def clip_grad_norm(self, params, max_norm: float | None) -> torch.Tensor:
         """Clip the global gradient norm of ``params`` to ``max_norm`` (None: only measure it); returns
         the norm before clipping. Works across DTensor (tensor-parallel / FSDP2) and plain parameters."""

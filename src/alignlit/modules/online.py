@@ -18,7 +18,6 @@ gradient clipping, the statistics over data-parallel ranks and the curves, and c
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -38,21 +37,11 @@ from alignlit.modules.online_parts import (
     PtxMixer,
     TrainedModel,
     Validation,
-    all_reduce_sum,
-    data_parallel_group,
     load_online_models,
     update_kl_controller,
 )
 from alignlit.modules.online_prompts import TrainingPrompts
-from alignlit.modules.online_state import (
-    Progress,
-    Stateful,
-    StateOf,
-    load_parts,
-    save_parts,
-    strip_frozen,
-    write_curves,
-)
+from alignlit.modules.online_state import Progress, Stateful, StateOf, load_state, save_state, write_curves
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.modules.trajectory_maker import TrajectoryMaker, resolve_correction
 from alignlit.ops import DynamicSampling, Overlong
@@ -67,7 +56,7 @@ __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
 class OnlineModule(AlignModule):
-    """Base of the online stages; a subclass implements :meth:`train_on` (and, for state of its own,
+    """Base of the online stages; a subclass implements :meth:`train_on` (and for state of its own
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
     ``trainer.global_step`` counts optimizer steps (Lightning's manual-optimisation convention): set
@@ -76,13 +65,11 @@ class OnlineModule(AlignModule):
 
     Args:
         policy: causal-LM directory (e.g. the SFT export), or a :class:`~alignlit.models.TinyLlama` spec.
-        reward: a reward-model directory (frozen; scores response texts encoded as in its training),
-            the dotted path of a reward function, or any reward object/callable
-            (see :mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
+        reward: a reward-model directory (frozen), the dotted path of a reward function, or any reward
+            object/callable (:mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
             ``lora``, the policy's base with the adapter disabled, no second copy).
-        rollout: how samples are collected (engine, sampling, samples per prompt, parity checks, seed);
-            default ``RolloutLoop()``.
+        rollout: how samples are collected (engine, sampling, samples per prompt, seed; ``RolloutLoop()``).
         minibatches: how the stage cuts a rollout into optimiser steps (size, epochs or steps, shuffle).
         kl: the KL(π‖π_0) penalty in the reward, fixed or adaptive ``β`` (None: off; PPO's default is on).
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
@@ -103,13 +90,11 @@ class OnlineModule(AlignModule):
         val_sampling: sampling of validation responses (default: the rollout's; seeded ``rollout.seed + i``).
         reward_batch_size: samples per reward-model forward pass.
         dtype: dtype of the loaded models.
-        curves_file: PNG of the monitoring curves written at the end of fit (default:
-            ``<log dir>/<stage>_curves.png``); the history goes next to it as JSON.
+        curves_file: PNG of the monitoring curves (default ``<log dir>/<stage>_curves.png``; JSON next to it).
         export_dir: where the trained policy is exported at the end of fit.
-        lora: LoRA adapters on the policy instead of full fine-tuning
-            (:class:`~alignlit.models.lora.LoRA`; None: full).
-        gradient_checkpointing: recompute the trained models' activations in the backward pass (HF
-            activation checkpointing): same gradients, less memory, about one more forward per update.
+        lora: LoRA adapters on the policy (:class:`~alignlit.models.lora.LoRA`; None: full fine-tuning).
+        gradient_checkpointing: recompute the trained models' activations in the backward pass (same
+            gradients, less memory, about one more forward per update).
         frozen_dtype: dtype of the frozen models, the reference (when it is a model of its own) and a
             reward-model directory (default: ``dtype``), e.g. ``bfloat16`` next to a float32 policy.
         shard_frozen: under ``ModelParallelStrategy``, shard the frozen reference and reward model like
@@ -188,16 +173,7 @@ class OnlineModule(AlignModule):
             gradient_checkpointing=gradient_checkpointing, reward_batch_size=reward_batch_size,
         )  # fmt: skip
         self.policy, self.tokenizer, self.reference, self.reward = models[:4]
-        self._policy_dir, self._tokenizer_dir, limit = (
-            models.policy_dir,
-            models.tokenizer_dir,
-            models.position_limit,
-        )
-        if limit is not None and self.rollout.sampling.max_new_tokens >= limit:
-            raise ValueError(
-                f"rollout.sampling.max_new_tokens ({self.rollout.sampling.max_new_tokens}) leaves no room for a "
-                f"prompt in the policy's {limit} positions (max_position_embeddings)"
-            )
+        self._policy_dir, self._tokenizer_dir = models.policy_dir, models.tokenizer_dir
         model = getattr(self.reward, "model", None)
         # registered as a submodule so it follows the module's device; left out of checkpoints
         self.reward_model = model.requires_grad_(False).eval() if isinstance(model, torch.nn.Module) else None
@@ -215,12 +191,9 @@ class OnlineModule(AlignModule):
             kl_estimator=kl.estimator if kl is not None else None, kl_ctl=self.kl_ctl, correction=correction,
         )  # fmt: skip
         self.prompts = TrainingPrompts(
-            self.rollout,
-            self.tokenizer,
-            position_limit=limit,
-            val_sampling=val_sampling,
+            self.rollout, self.tokenizer, position_limit=models.position_limit, val_sampling=val_sampling,
             prompt_filter=prompt_filter,
-        )
+        )  # fmt: skip
         self.validation = Validation(
             self.rollout, self.reward, self.trajectories, self.ptx_mixer, gold=gold, sampling=val_sampling
         )
@@ -274,11 +247,7 @@ class OnlineModule(AlignModule):
 
     def setup(self, stage: str) -> None:
         world = self.trainer.world_size if self._trainer is not None else 1
-        if self.collector.dynamic_sampling is not None and world > 1:
-            raise ValueError(
-                f"dynamic_sampling keeps a different number of groups on each rank, so the {world} ranks "
-                "would take different numbers of optimizer steps: run it in a single process"
-            )
+        self.collector.check_world(world)
         self.rollout.setup(
             self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world,
             data_parallel=data_parallel_rank(self._trainer) if world > 1 else None,
@@ -328,13 +297,11 @@ class OnlineModule(AlignModule):
     def collect_ahead(self, prompts: list[str]) -> tuple[Experience | None, dict[str, float]]:
         """This step's experience from the ahead-collector, given the prompts of every step
         (:func:`~alignlit.data.sampler.scheduled_batch` of the training loader) and the run's last step."""
-        trainer = self.trainer
-
-        def schedule(index: int) -> list[str]:
-            return scheduled_batch(trainer.train_dataloader, index, int(trainer.num_training_batches))
-
-        version, last = self.progress.policy_version, self._planned_rollouts - 1
-        return self.ahead.collect(prompts, version=version, schedule=schedule, last=last)
+        loader, batches = self.trainer.train_dataloader, int(self.trainer.num_training_batches)
+        return self.ahead.collect(
+            prompts, version=self.progress.policy_version, last=self._planned_rollouts - 1,
+            schedule=lambda index: scheduled_batch(loader, index, batches),
+        )  # fmt: skip
 
     def learn(self, experience: Experience | None) -> dict[str, float]:
         """Make the experience's trajectory, decide on every rank whether it has enough loss tokens, train the
@@ -380,9 +347,7 @@ class OnlineModule(AlignModule):
         device (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.make`)."""
         return self.trajectories.make(experience, version=self.progress.policy_version, device=self.device)
 
-    def logprobs(
-        self, model: torch.nn.Module, ids: tuple[torch.Tensor, ...], *, temperature=None
-    ) -> torch.Tensor:
+    def logprobs(self, model: torch.nn.Module, ids: tuple[torch.Tensor, ...], *, temperature=None):
         """(N, T) log-probs of the response tokens ``ids`` under ``model`` on this module's device
         (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.logprobs`)."""
         return self.trajectories.logprobs(model, ids, device=self.device, temperature=temperature)
@@ -421,7 +386,7 @@ class OnlineModule(AlignModule):
         return norm
 
     def skip(self, reason: str) -> dict[str, float]:
-        """Count a rollout the stage cannot learn from (e.g. no response token) and say why."""
+        """Count a rollout the stage cannot learn from (e.g. no loss token) and say why."""
         self.progress.skipped_rollouts += 1
         print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
         return {"rollout/skipped": 1.0}
@@ -432,22 +397,6 @@ class OnlineModule(AlignModule):
         check_finite(loss, what=what, step=self.global_step, metrics=metrics)
         return loss
 
-    # ------------------------------------------------------------------ over the data-parallel ranks
-    def data_parallel_group(self):
-        """The process group of the data-parallel ranks (:func:`~alignlit.modules.online_parts.data_parallel_group`)."""
-        return data_parallel_group(self.device_mesh)
-
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over the data-parallel ranks (a copy; unchanged in a single process)."""
-        return all_reduce_sum(values.to(self.device), self.data_parallel_group())
-
-    def batch_all_reduce(self):
-        """The ``all_reduce`` the ops take for statistics over the global batch (:data:`alignlit.ops.stats.AllReduce`):
-        :meth:`all_reduce_sum` when a process group is initialised, else None (the ops' local statistics)."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return self.all_reduce_sum
-        return None
-
     # ------------------------------------------------------------------ validation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:
         self.validation.sample(prompts, batch_idx, version=self.progress.policy_version, device=self.device)
@@ -456,36 +405,27 @@ class OnlineModule(AlignModule):
         metrics = self.validation.metrics(self.policy, self.device)
         if metrics and not self.trainer.sanity_checking:
             self.log_dict(metrics, sync_dist=True)
-        if metrics:  # the sanity check before training (num_sanity_val_steps: -1) is the curves' start
+        if metrics:  # the sanity check before training (num_sanity_val_steps: -1) starts the curves
             self.progress.history.append({"rollout": float(self.rollout.rollouts), **metrics})
 
     # ------------------------------------------------------------------ checkpoints and the end of fit
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """The parts whose state an online checkpoint holds, by name (:mod:`alignlit.modules.online_state`);
         the ahead-collector first: saving it drains the producer, so the others' state settles."""
-        parts: dict[str, Stateful] = {
-            "ahead": self.ahead,
-            "rollout": self.rollout,
-            "collector": self.collector,
-        }
+        parts: dict[str, Stateful] = {"ahead": self.ahead, "rollout": self.rollout, "collector": self.collector}  # fmt: skip
         parts |= {"prompts": self.prompts, "ptx": self.ptx_mixer, "progress": self.progress}
-        parts |= {"kl": self.kl_ctl} if self.kl_ctl is not None else {}
+        parts |= {"kl": self.kl_ctl} if self.kl_ctl is not None else {}  # fmt: skip
         return parts | {"stage": StateOf(self.online_state_dict, self.load_online_state_dict)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save every part's state under ``<stage>_state``, the frozen models left out."""
-        strip_frozen(checkpoint, self.frozen_prefixes())
-        checkpoint[f"{self.stage}_state"] = save_parts(self.checkpoint_parts())
+        save_state(checkpoint, f"{self.stage}_state", self.checkpoint_parts(), self.frozen_prefixes())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        key = f"{self.stage}_state"
-        if key not in checkpoint:
-            raise KeyError(f"checkpoint has no {key!r}: it was not written by {type(self).__name__}")
-        for prefix in self.frozen_prefixes():  # the frozen models' weights as loaded
-            module = getattr(self, prefix.rstrip("."))
-            checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
-        load_parts(self.checkpoint_parts(), checkpoint[key], what=f"the checkpoint's {key!r}")
+        frozen = {prefix: getattr(self, prefix.rstrip(".")) for prefix in self.frozen_prefixes()}
+        parts, owner = self.checkpoint_parts(), type(self).__name__
+        load_state(checkpoint, f"{self.stage}_state", parts, frozen, owner=owner)
         self.resume_notice = self.ahead.resume_notice()
         if self.resume_notice:
             print(self.resume_notice, flush=True)
@@ -497,13 +437,7 @@ class OnlineModule(AlignModule):
         self.rollout.stop_pipeline()
         self.write_curves()
         if self.global_rank == 0:
-            print(self.progress.summary(self.stage))
-            if self.progress.trained_rollouts == 0:
-                warnings.warn(
-                    f"{self.stage}: no rollout was trained (all {self.progress.skipped_rollouts} skipped): the "
-                    "export is the starting policy",
-                    stacklevel=1,
-                )
+            self.progress.report(self.stage)
         super().on_fit_end()
 
     def write_curves(self) -> Path | None:

@@ -37,6 +37,11 @@ class TrainingPrompts:
         val_sampling: SamplingParams | None = None,
         prompt_filter: PromptFilter | None = None,
     ):
+        if position_limit is not None and loop.sampling.max_new_tokens >= position_limit:
+            raise ValueError(
+                f"rollout.sampling.max_new_tokens ({loop.sampling.max_new_tokens}) leaves no room for a prompt in "
+                f"the policy's {position_limit} positions (max_position_embeddings)"
+            )
         self.loop, self.tokenizer, self.position_limit = loop, tokenizer, position_limit
         self.val_sampling, self.prompt_filter = val_sampling, prompt_filter
         self.kept: list[str] | None = None

@@ -6,13 +6,15 @@ asynchronous pipeline's finished batches (``ahead``, first: saving it drains the
 loop's counters (``rollout``), the collector's refill generator (``collector``), the prompts the filter kept
 (``prompts``), the ptx loader's position (``ptx``), the KL controller (``kl``), the run's :class:`Progress`
 (``progress``: the policy version, counters, history, minibatch generator, torch RNG) and the stage's own
-state (``stage``). The frozen models are left out (:func:`strip_frozen`; they reload from disk).
+state (``stage``), written by :func:`save_state`, read by :func:`load_state`. The frozen models are left
+out (they reload from disk).
 :func:`write_curves` plots the history at the end of fit.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -54,11 +56,18 @@ class Progress:
         self.minibatch_generator = torch.Generator().manual_seed(seed)
         """Draws the minibatches of every step (:class:`~alignlit.modules.trajectory.Minibatches`)."""
 
-    def summary(self, stage: str) -> str:
-        return (
+    def report(self, stage: str) -> None:
+        """Print the run's counters at the end of fit; warn when no rollout was trained."""
+        print(
             f"alignlit: {stage}: {self.trained_rollouts} rollout(s) trained, {self.skipped_rollouts} skipped, "
             f"policy version {self.policy_version}"
         )
+        if self.trained_rollouts == 0:
+            warnings.warn(
+                f"{stage}: no rollout was trained (all {self.skipped_rollouts} skipped): the export is the "
+                "starting policy",
+                stacklevel=2,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The counters, the history, the minibatch generator and the torch RNG, for checkpoints."""
@@ -83,27 +92,29 @@ class Progress:
         torch.set_rng_state(state["torch_rng"])
 
 
-def save_parts(parts: dict[str, Stateful]) -> dict[str, Any]:
-    """``{name: part.state_dict()}``, in the parts' order."""
-    return {name: part.state_dict() for name, part in parts.items()}
-
-
-def strip_frozen(checkpoint: dict[str, Any], prefixes: list[str]) -> None:
-    """Leave the frozen models' weights (under ``prefixes``) out of ``checkpoint``: they reload from disk."""
+def save_state(checkpoint: dict[str, Any], key: str, parts: dict[str, Stateful], frozen: list[str]) -> None:
+    """Save ``{name: part.state_dict()}`` under ``key``, in the parts' order, and leave the frozen models'
+    weights (state-dict ``frozen`` prefixes) out of ``checkpoint``: they reload from disk."""
     state = checkpoint["state_dict"]
-    for key in [k for k in state if k.startswith(tuple(prefixes))]:
-        del state[key]
+    for name in [k for k in state if k.startswith(tuple(frozen))]:
+        del state[name]
+    checkpoint[key] = {name: part.state_dict() for name, part in parts.items()}
 
 
-def load_parts(parts: dict[str, Stateful], state: dict[str, Any], *, what: str) -> None:
-    """Restore every part from ``state``, refusing a state without one of them."""
-    missing = [name for name in parts if name not in state]
+def load_state(
+    checkpoint: dict[str, Any], key: str, parts: dict[str, Stateful], frozen: dict[str, Any], *, owner: str
+) -> None:
+    """Restore every part from ``checkpoint[key]`` (refusing a checkpoint without it or one of them) and put
+    the frozen models' weights as loaded (``{prefix: module}``) back into its state dict."""
+    if key not in checkpoint:
+        raise KeyError(f"checkpoint has no {key!r}: it was not written by {owner}")
+    for prefix, module in frozen.items():
+        checkpoint["state_dict"].update({prefix + k: v for k, v in module.state_dict().items()})
+    missing = [name for name in parts if name not in checkpoint[key]]
     if missing:
-        raise KeyError(
-            f"{what} has no state for {missing} (saved: {sorted(state)}): it was not written by this stage"
-        )
+        raise KeyError(f"the checkpoint's {key!r} has no state for {missing}: it was not written by {owner}")
     for name, part in parts.items():
-        part.load_state_dict(state[name])
+        part.load_state_dict(checkpoint[key][name])
 
 
 def write_curves(

@@ -100,6 +100,14 @@ class Collector:
         self.pool: list[str] | None = None
         """The prompts refills are drawn from (the training prompts; set at the start of fit)."""
 
+    def check_world(self, world: int) -> None:
+        """Refuse dynamic sampling over several ranks: each would keep a different number of groups."""
+        if self.dynamic_sampling is not None and world > 1:
+            raise ValueError(
+                f"dynamic_sampling keeps a different number of groups on each rank, so the {world} ranks "
+                "would take different numbers of optimizer steps: run it in a single process"
+            )
+
     def task_rewards(self, rollout: Rollout, scores: torch.Tensor) -> torch.Tensor:
         """(N,) the reward's scores plus DAPO's soft overlong penalty when it is on."""
         if self.overlong is None or self.overlong.mode != "penalty":

@@ -1,8 +1,9 @@
 """The rollout loop every online stage collects samples with: sync the engine's weights, generate, score.
 
-It does nothing else: what the stage derives from the samples (old and reference log-probs, KL,
-advantages) is built by the online base (:class:`~alignlit.modules.online.OnlineModule`), and the
-stage owns its own minibatch loop. Switching engines is one config key, ``engine: hf | vllm | vllm_server``::
+It does nothing else: what to train on is the :class:`~alignlit.rollout.collector.Collector`'s decision,
+what the stage derives from the samples (old and reference log-probs, KL) the trajectory maker's
+(:mod:`alignlit.modules.trajectory_maker`). Switching engines is one config key, ``engine: hf | vllm |
+vllm_server``::
 
     experience = loop.collect(prompts, reward, version=v)   # sync if the engine is not at v -> generate -> score
 
@@ -158,6 +159,7 @@ class RolloutLoop:
         self._unverified: WeightSnapshot | None = None
         self._parity_model: torch.nn.Module | None = None
         self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
         self.rollouts = 0
         """Training rollouts generated so far (the next one is sampled with ``seed + rollouts``)."""
         self.syncs = 0
@@ -321,19 +323,6 @@ class RolloutLoop:
         model: torch.nn.Module | None = None,
         engine: RolloutEngine | None = None,
     ) -> Rollout:
-        """:meth:`sample` without its metrics."""
-        return self.sample(prompts, version=version, n=n, sampling=sampling, model=model, engine=engine)[0]
-
-    def sample(
-        self,
-        prompts: Sequence[str],
-        *,
-        version: int = 0,
-        n: int | None = None,
-        sampling: SamplingParams | None = None,
-        model: torch.nn.Module | None = None,
-        engine: RolloutEngine | None = None,
-    ) -> tuple[Rollout, dict[str, float]]:
         """Sample ``n`` (default ``samples_per_prompt``) responses per prompt from the policy at ``version``
         (the engine is synced first when it holds another version: a caller that changes the policy's
         weights passes a new version, as the online stages do with their optimiser steps).
@@ -342,10 +331,13 @@ class RolloutLoop:
         and counted. With an explicit ``sampling`` (evaluation, prompt filtering, refills) its own seed
         is used and the rollout counter is untouched. ``model`` samples from another, frozen model
         instead of the policy (e.g. the reference ``π_0``), with Hugging Face ``generate``; ``engine`` samples
-        with an engine whose weights the caller manages (the asynchronous producer's). Returns the rollout and
-        the metrics of its making (timings, throughput, sync, parity, episodes): nothing is kept on the loop, so
-        the trainer and the asynchronous producer can sample from one loop.
+        with an engine whose weights the caller manages (the asynchronous producer's). The metrics of the
+        sampling come with :meth:`collect`'s experience; nothing is kept on the loop, so the trainer and the
+        asynchronous producer sample from one loop.
         """
+        return self._sample(prompts, version, n, sampling, model, engine)[0]
+
+    def _sample(self, prompts, version, n, sampling, model, engine) -> tuple[Rollout, dict[str, float]]:
         default, policy = self._require_setup()
         managed = engine is not None or model is not None
         if engine is None and model is not None:
@@ -427,13 +419,13 @@ class RolloutLoop:
     ) -> Experience:
         """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
         (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given.
-        ``engine``: see :meth:`sample`. The experience carries the metrics of its making and scoring."""
+        ``engine``: see :meth:`generate`. The experience carries the metrics of its making and scoring."""
         if self.environment is not None and not isinstance(reward, EpisodeReturn):
             raise ValueError(
                 f"rollout.environment is set, so the reward must be the episodes' return: "
                 f"alignlit.rollout.EpisodeReturn (optionally with a reward of the transcript), got {type(reward).__name__}"
             )
-        rollout, metrics = self.sample(prompts, version=version, sampling=sampling, engine=engine)
+        rollout, metrics = self._sample(prompts, version, None, sampling, None, engine)
         start = time.perf_counter()
         rewards = score_rollout(reward, rollout)
         metrics.update({"rollout/score_s": time.perf_counter() - start, **reward_counters(reward)})
