@@ -126,6 +126,31 @@ def test_the_bound_holds_with_pinned_versions(tiny_policy_dir, prompts_file, tmp
     assert module.rollout.pipeline is None and module.rollout.async_engine is None  # stopped at the end
 
 
+def test_the_producer_thread_never_calls_into_the_modules(tiny_policy_dir, prompts_file, tmp_path):
+    """k = 1: the reward, called in the producer thread for the batches generated ahead, sees a call stack of
+    the rollout side only (alignlit.rollout: the ahead-collector, the collector, the loop), never a frame of
+    alignlit.modules (the LightningModule)."""
+    import threading
+
+    stacks = []
+
+    def reward(prompts, responses):
+        if threading.current_thread() is not threading.main_thread():
+            frame, names = sys._getframe(), []
+            while frame is not None:
+                names.append(frame.f_globals.get("__name__", ""))
+                frame = frame.f_back
+            stacks.append(names)
+        return char_reward(prompts, responses)
+
+    module = grpo(tiny_policy_dir, 1)
+    module.collector.reward = reward  # what scores the training rollouts, in either thread
+    fit(module, prompts_file, tmp_path, steps_per_epoch=3, epochs=1)
+    assert stacks, "no batch was scored in the producer thread"
+    assert all("alignlit.rollout.ahead" in names for names in stacks)
+    assert not [n for names in stacks for n in names if n.startswith("alignlit.modules")]
+
+
 def test_the_loader_must_agree_with_the_schedule(tiny_policy_dir, prompts_file, tmp_path):
     """The pipeline generates later steps' prompts from the loader's sampler; a step whose prompts differ
     (here a loader that is not alignlit's resumable one) is refused, not trained on other samples."""
