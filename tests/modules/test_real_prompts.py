@@ -66,7 +66,7 @@ def test_gsm8k_prompts_async_carry_answers_and_resume_exactly(hub_cache, tmp_pat
         saved[state["rollout"]["rollouts"]] = (path, state)
     path, state = saved[2]
     ahead = [e for e in state["ahead"].values()]
-    prompts = ahead[0]["experience"]["rollout"]["prompts"]
+    prompts = ahead[0]["result"]["experience"]["rollout"]["prompts"]
     assert isinstance(prompts[0], Prompt) and prompts[0].fields["answer"] in answers.values()
     assert prompts[0].startswith("<|im_start|>system\nAnswer after ####.")
     resumed = grpo(policy)

@@ -3,16 +3,13 @@ of Large Language Models").
 
 A targeted linear layer ``W`` becomes ``W x + (α/r)·B A x`` with ``A`` (r × in) and ``B`` (out × r)
 trainable and ``W`` frozen; ``B`` starts at 0, so the adapted model starts as the base model. The
-adapters are injected in place with PEFT through Hugging Face's own adapter integration
-(``PreTrainedModel.add_adapter``): the model keeps its class and module tree, so the teacher-forced
-forward (:mod:`alignlit.models.forward`), :class:`~alignlit.models.ScalarHeadModel` and the FSDP2 /
-tensor-parallel plans (:mod:`alignlit.strategies`) see the same model as without LoRA.
+adapters are injected in place through Hugging Face's adapter integration (``add_adapter``): the model
+keeps its class and module tree, so the teacher-forced forward, :class:`~alignlit.models.ScalarHeadModel`
+and the FSDP2 / tensor-parallel plans see the same model as without LoRA.
 
-- :func:`apply_lora` adds the adapter (a scalar-head model's head is trained in full, as PEFT's
-  ``modules_to_save``);
-- :func:`adapters_disabled` runs a block on the base model (PEFT's ``disable_adapter`` switch, on
-  every adapter layer), and :class:`AdapterDisabled` is the base model as a model of its own: the
-  frozen reference policy of a LoRA stage, with no second copy of the base weights;
+- :func:`apply_lora` adds the adapter (a scalar head is trained in full, PEFT's ``modules_to_save``);
+- :func:`adapters_disabled` runs a block on the base model, and :class:`AdapterDisabled` is the base model
+  as a model of its own: the frozen reference of a LoRA stage, with no second copy of the base weights;
 - :func:`merged_state_dict` is the state dict of the merged model ``W + (α/r)·B A`` under the base
   model's names (exports, weight sync into vLLM), from the live model or from a gathered state dict;
 - :func:`save_lora_model` writes a merged Hugging Face directory or the adapter alone (PEFT format),
