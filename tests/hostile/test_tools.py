@@ -114,15 +114,24 @@ def test_systemexit_and_keyboardinterrupt_from_a_tool_are_its_errors(tool, expec
 
 
 def test_a_real_ctrl_c_during_a_tool_call_still_stops_the_run():
-    """The trainer's Ctrl-C (SIGINT, delivered to the main thread that waits on the tool) propagates."""
+    """The trainer's Ctrl-C (SIGINT, delivered to the main thread that waits on the tool) propagates.
+
+    Python's own SIGINT handler is installed for the test: ``_thread.interrupt_main`` does nothing while
+    SIGINT is ignored or at SIG_DFL, which a test run earlier in the same process may have left."""
+    import signal
+
     env = ToolEnvironment(SimHintEnvironment(), tools={"sleep": sleep}, tool_timeout_s=30)
     env.reset(PROMPT, seed=0)
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
-    start = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        env.step(CALL % ("sleep", '{"seconds": 5}'))
-    timer.join()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            env.step(CALL % ("sleep", '{"seconds": 5}'))
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - start < 4
 
 
