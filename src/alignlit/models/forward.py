@@ -233,12 +233,7 @@ def response_token_logprobs(
         saving=lambda: packing_saving(input_ids, attention_mask, prompt_mask.long().sum(-1)),
     )  # fmt: skip
     if not plan.direct:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).logits[:, num_prompt - 1 : -1]  # (B, T, V): position P-1+t predicts response token t
+        logits = _response_position_logits(model, input_ids, attention_mask, num_prompt)  # (B, T, V)
         return _result(logits_scored(logits, response_ids, mask, **options), mask)
     states = _response_states(plan, input_ids, attention_mask, prompt_mask)
     return _result(fused_scored(plan, states, predictor, response_ids, mask, **options), mask)
@@ -259,13 +254,18 @@ def response_logits(
     Gradients flow when called outside ``torch.no_grad``.
     """
     input_ids, attention_mask = concat_response(prompt_ids, prompt_mask, response_ids, response_mask)
-    num_prompt = prompt_ids.shape[1]
+    return _response_position_logits(model, input_ids, attention_mask, prompt_ids.shape[1])
+
+
+def _response_position_logits(model, input_ids, attention_mask, num_prompt: int) -> torch.Tensor:
+    """(B, T, V) logits of the model's own forward over ``[prompt ; response]`` at the columns ``P - 1 + t``
+    that predict response token ``t``."""
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-    ).logits[:, num_prompt - 1 : -1]  # (B, T, V)
+    ).logits[:, num_prompt - 1 : -1]
 
 
 def scored_from_logits(
