@@ -362,7 +362,7 @@ def test_prompt_filter_applies_to_training_prompts(tmp_path, tiny_policy_dir, da
         prompt_filter=PromptFilter(k=3, epsilon=1e-9, sampling=SamplingParams(max_new_tokens=5, seed=0)),
     )
     engine = HFEngine(module.tokenizer, module.policy, micro_batch_size=64)
-    expected, _ = module.prompt_filter(
+    expected, _ = module.prompts.prompt_filter(
         engine.generate, reward, PROMPTS
     )  # same seeded samples as at fit start
     trainer = L.Trainer(
