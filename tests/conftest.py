@@ -47,6 +47,13 @@ def _vllm_test(request):
         require_vllm()
 
 
+@pytest.fixture(autouse=True)
+def _no_global_seed(monkeypatch):
+    """Each test starts without a global seed: seeds that default to ``seed_everything``'s
+    (``alignlit.data.args.resolve_seed``) are 0 unless the test seeds, whatever an earlier test did."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
 def dialogue_texts(n: int = 400) -> list[str]:
     """Small HH-style corpus for training a test tokenizer."""
     out = []

@@ -7,8 +7,19 @@ Each raises ``ValueError`` naming the argument and the value it got: ``max_promp
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``seed``, or with None the run's global seed: the one ``seed_everything`` set before the object was
+    built (``alignlit fit``: the config's ``seed_everything``; Lightning keeps it in ``PL_GLOBAL_SEED``),
+    else 0. So two runs that differ only in ``seed_everything`` differ in every seeded choice."""
+    if seed is not None:
+        return seed
+    value = os.environ.get("PL_GLOBAL_SEED")
+    return int(value) if value not in (None, "") else 0
 
 
 def check_int(name: str, value: Any, minimum: int, *, owner: str = "") -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import torch
 
-from alignlit.data.args import check_fraction, check_int, check_optional_int
+from alignlit.data.args import check_fraction, check_int, check_optional_int, resolve_seed
 from alignlit.data.records import DataError, Record, read_records, records_from_memory
 from alignlit.data.sampler import ResumableDataLoader, make_loader
 from alignlit.data.sources import (
@@ -112,7 +112,8 @@ class AlignDataModule(L.LightningDataModule):
         batch_size: training batch size per data-parallel rank.
         eval_batch_size: validation batch size (default: ``batch_size``).
         max_examples: use only the first N training records (None: all).
-        seed: seed of the split and of the shuffling.
+        seed: seed of the split and of the shuffling. None (the default): the run's ``seed_everything``
+            (:func:`alignlit.data.args.resolve_seed`).
         num_workers: DataLoader worker processes.
     """
 
@@ -130,7 +131,7 @@ class AlignDataModule(L.LightningDataModule):
         batch_size: int = 16,
         eval_batch_size: int | None = None,
         max_examples: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
     ):
         super().__init__()
@@ -161,6 +162,7 @@ class AlignDataModule(L.LightningDataModule):
         check_int("batch_size", batch_size, 1, owner=name)
         check_optional_int("eval_batch_size", eval_batch_size, 1, owner=name)
         check_optional_int("max_examples", max_examples, 1, owner=name)
+        seed = resolve_seed(seed)
         check_int("seed", seed, 0, owner=name)
         check_int("num_workers", num_workers, 0, owner=name)
         self.save_hyperparameters(ignore=["records", "val_records"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import MeanMetric
 
+from alignlit.data.args import resolve_seed
 from alignlit.data.preference import PreferenceBatch
 from alignlit.data.sampler import data_parallel_rank
 from alignlit.hub import Pretrained
@@ -37,7 +38,7 @@ class PairwisePrefModule(AlignModule):
         vocab_loss: train with the full-vocabulary next-token cross-entropy on the answer token
             instead of the 2-way softmax.
         randomize_order: show the chosen response as A or B at random in training (False: always A).
-        seed: seed of the order draws.
+        seed: seed of the order draws (None: the run's ``seed_everything``, :func:`alignlit.data.args.resolve_seed`).
         optim: AdamW with warmup and cosine decay (:class:`~alignlit.modules.Optim`).
         dtype: dtype the model is loaded in ("float32", "bfloat16").
         lora: LoRA adapters instead of full fine-tuning (:class:`~alignlit.models.lora.LoRA`; None: full).
@@ -55,7 +56,7 @@ class PairwisePrefModule(AlignModule):
         ab_format: ABFormat | None = None,
         vocab_loss: bool = False,
         randomize_order: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         optim: Optim = Optim(lr=3e-4, warmup_steps=20),
         dtype: str = "float32",
         lora: LoRA | None = None,
@@ -63,6 +64,7 @@ class PairwisePrefModule(AlignModule):
         export_dir: str | None = None,
     ):
         super().__init__(export_dir=export_dir, optim=optim, lora=lora)
+        seed = resolve_seed(seed)
         self.save_hyperparameters()
         if isinstance(policy, TinyLlama):
             self.policy, self.tokenizer = load_policy(policy)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from alignlit.data.args import resolve_seed
 from alignlit.rollout.base import Experience, Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.environment import Environment
 from alignlit.rollout.episodes import EpisodeReturn, run_episodes
@@ -59,7 +60,8 @@ class RolloutLoop:
         vllm_args: extra keyword arguments of :class:`~alignlit.rollout.VLLMEngine` (e.g. ``sync_every``), or with
             ``vllm_server`` of :class:`~alignlit.rollout.server.ServedVLLMEngine` (e.g. ``weight_sync: file``).
         seed: training rollout ``i`` is sampled with seed ``seed + i`` (the stage's other seeded
-            choices, e.g. minibatch shuffling, start from it too).
+            choices, e.g. minibatch shuffling, start from it too). None (the default): the run's
+            ``seed_everything`` (:func:`alignlit.data.args.resolve_seed`), so runs with different seeds differ.
         max_staleness: ``k``: 0 (the default) generates each training rollout when the step needs it, with
             the policy's current weights; ``k >= 1`` generates the rollout of step ``j`` in the background
             while the trainer trains on earlier steps, from the weights of version ``j - k`` (at most ``k``
@@ -91,7 +93,7 @@ class RolloutLoop:
         parity_tol: float = 1e-3,
         parity_samples: int = 4,
         vllm_args: dict[str, Any] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         max_staleness: int = 0,
         worker_threads: int = 1,
         environment: Environment | None = None,
@@ -144,7 +146,7 @@ class RolloutLoop:
         self.parity_tol = parity_tol
         self.parity_samples = parity_samples
         self.vllm_args = dict(vllm_args or {})
-        self.seed = seed
+        self.seed = resolve_seed(seed)
         self.max_staleness, self.worker_threads = max_staleness, worker_threads
         if max_turns < 1 or (max_episode_tokens is not None and max_episode_tokens < 1):
             raise ValueError(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from alignlit.data.args import resolve_seed
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.reward import Reward, score_rollout
 
@@ -56,17 +57,19 @@ class PromptFilter:
         epsilon: prompts with variance ``< epsilon`` are dropped.
         sampling: how the ``k`` responses are sampled (default: like the stage's rollouts — same
             temperature, length limit and stop strings — seeded with ``seed``).
-        seed: sampling seed when ``sampling`` is not given (makes the filter reproducible).
+        seed: sampling seed when ``sampling`` is not given (makes the filter reproducible; None: the run's
+            ``seed_everything``, :func:`alignlit.data.args.resolve_seed`).
         batch_size: prompts per ``generate`` call.
     """
 
     k: int = 4
     epsilon: float = 1e-3
     sampling: SamplingParams | None = None
-    seed: int = 0
+    seed: int | None = None
     batch_size: int = 64
 
     def __post_init__(self) -> None:
+        self.seed = resolve_seed(self.seed)
         if self.k < 2:
             raise ValueError(f"prompt_filter.k must be >= 2, got {self.k}")
         if self.batch_size < 1:
