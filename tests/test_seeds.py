@@ -9,7 +9,7 @@ import json
 import lightning as L
 import torch
 
-from alignlit.data import PromptDataModule
+from alignlit.data import PreferenceDataModule, PromptDataModule
 from alignlit.data.args import resolve_seed
 from alignlit.modules import PolicyGradientModule
 from alignlit.modules.trajectory import Minibatches
@@ -31,6 +31,7 @@ def test_defaults_follow_seed_everything(tmp_path):
     L.seed_everything(11, verbose=False)
     assert RolloutLoop().seed == 11 and PromptFilter().seed == 11
     assert PromptDataModule(train_file=str(tmp_path / "p.jsonl")).hparams.seed == 11
+    assert PreferenceDataModule(train_file=str(tmp_path / "p.jsonl")).hparams.seed == 11  # a subclass's frame
     assert RolloutLoop(seed=3).seed == 3 and PromptFilter(seed=3).seed == 3
 
 

@@ -166,6 +166,7 @@ class AlignDataModule(L.LightningDataModule):
         check_int("seed", seed, 0, owner=name)
         check_int("num_workers", num_workers, 0, owner=name)
         self.save_hyperparameters(ignore=["records", "val_records"])
+        self.hparams.seed = seed  # resolved (a subclass's frame, which Lightning reads, holds None)
         self._records, self._val_records = records, val_records
         self.tokenizer = None
         self.train_set: list = []

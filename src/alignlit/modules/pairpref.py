@@ -66,6 +66,7 @@ class PairwisePrefModule(AlignModule):
         super().__init__(export_dir=export_dir, optim=optim, lora=lora)
         seed = resolve_seed(seed)
         self.save_hyperparameters()
+        self.hparams.seed = seed  # resolved
         if isinstance(policy, TinyLlama):
             self.policy, self.tokenizer = load_policy(policy)
         else:
