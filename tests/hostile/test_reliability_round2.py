@@ -399,7 +399,7 @@ def test_plain_transformers_scores_equal_alignlits_including_at_the_length_limit
     """Before: the export did not say that it scores prompt + response + EOS, and at the length limit the
     EOS was dropped, so a plain-transformers user (who appends it) got other scores."""
     from alignlit.models import load_reward_model
-    from alignlit.models.reward import REWARD_FORMAT_KEY
+    from alignlit.models.reward_model import REWARD_FORMAT_KEY
 
     config = json.loads((trained_rm / "config.json").read_text())
     fmt = config[REWARD_FORMAT_KEY]

@@ -20,7 +20,7 @@ from alignlit.models import (
     load_scalar_model,
     make_tiny_llama,
 )
-from alignlit.models.reward import PreferenceModel
+from alignlit.models.reward_model import PreferenceModel
 from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, PairwisePrefModule, PtxMix
 from alignlit.rollout import Experience, PreferenceRanking, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY

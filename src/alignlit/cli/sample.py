@@ -31,7 +31,7 @@ from alignlit.data.sft import record_prompt
 from alignlit.data.sources import columns_from_pairs, rename_columns
 from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.hub import ModelNotFoundError, RemoteCodeError, is_repo_id
-from alignlit.models.reward import model_positions, resolve_model_path
+from alignlit.models.reward_model import model_positions, resolve_model_path
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.reward import resolve_reward, score_texts
 from alignlit.rollout.sampling import Scorer, sample_ranked

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 from alignlit.models.ensemble import RewardEnsemble, combine_scores
-from alignlit.models.reward import (
+from alignlit.models.reward_model import (
     ABFormat,
     PreferenceModel,
     RewardModel,

@@ -13,7 +13,7 @@ from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits
+from alignlit.models.reward_model import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 

@@ -27,7 +27,7 @@ import torch
 from alignlit.checks import import_object
 from alignlit.data.chat import prompt_columns
 from alignlit.data.records import read_records
-from alignlit.models.reward import load_preference_model
+from alignlit.models.reward_model import load_preference_model
 from alignlit.rollout.base import Rollout
 
 
@@ -222,7 +222,7 @@ def resolve_reward(spec: str | Reward, *, batch_size: int = 64, dtype: str = "fl
         return spec
     path = Path(spec)
     if path.is_dir() or "/" in spec or spec.startswith("package:"):
-        from alignlit.models.reward import load_reward_model
+        from alignlit.models.reward_model import load_reward_model
 
         if not (path.is_dir() or spec.startswith("package:")):
             raise FileNotFoundError(f"reward model directory {spec!r} does not exist")
