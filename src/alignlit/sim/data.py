@@ -38,6 +38,19 @@ MANIFEST = "manifest.json"
 MAX_PAIR_ATTEMPTS = 100
 
 
+def load_sim(sim_dir: str | Path) -> tuple[SimTask, dict]:
+    """The :class:`~alignlit.sim.SimTask` and manifest of a ``alignlit sim make-data`` directory."""
+    manifest_path = Path(sim_dir) / MANIFEST
+    if not manifest_path.exists():
+        raise FileNotFoundError(
+            f"{manifest_path} not found: run `alignlit sim make-data --out {sim_dir}` first"
+        )
+    manifest = json.loads(manifest_path.read_text())
+    task_args = dict(manifest["task"])
+    task_args["ops"] = tuple(task_args["ops"])
+    return SimTask(**task_args), manifest
+
+
 def two_demonstrations(task, prompt: str, rng: random.Random) -> tuple[str, str]:
     """Two different demonstrations of ``prompt`` (the second redrawn up to ``MAX_PAIR_ATTEMPTS`` times)."""
     y1 = task.demonstration(prompt, rng)
