@@ -452,7 +452,7 @@ def _gen(p, r):
 def test_a_bad_reward_value_is_named_with_the_reward(out, message):
     """Before: tracebacks from torch.as_tensor inside _checked without "reward returned …", and 1e39
     reported as non-finite."""
-    from alignlit.rollout.reward import score_texts
+    from alignlit.rollout.reward_protocol import score_texts
 
     reward = out if callable(out) else (lambda prompts, responses: out)
     with pytest.raises(ValueError, match=r"^reward \S+ " + message):

@@ -21,7 +21,7 @@ from alignlit.models.reward_model import (
     load_reward_model,
     resolve_model_path,
 )
-from alignlit.rollout.reward import resolve_reward, score_texts
+from alignlit.rollout.reward_protocol import resolve_reward, score_texts
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:

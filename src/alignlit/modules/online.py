@@ -50,7 +50,7 @@ from alignlit.rollout.base import Experience, SamplingParams
 from alignlit.rollout.collector import Collector, check_collection
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn
+from alignlit.rollout.reward_protocol import Reward, RewardFn
 
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
@@ -66,7 +66,7 @@ class OnlineModule(AlignModule):
     Args:
         policy: causal-LM directory (e.g. the SFT export), or a :class:`~alignlit.models.TinyLlama` spec.
         reward: a reward-model directory (frozen), the dotted path of a reward function, or any reward
-            object/callable (:mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
+            object/callable (:mod:`alignlit.rollout.reward_protocol`; e.g. :class:`~alignlit.sim.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
             ``lora``, the policy's base with the adapter disabled, no second copy).
         rollout: how samples are collected (engine, sampling, samples per prompt, seed; ``RolloutLoop()``).

@@ -26,7 +26,7 @@ from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.preference_objective import PreferenceObjective
 from alignlit.modules.trajectory import Minibatches, Trajectory
-from alignlit.rollout.reward import Reward
+from alignlit.rollout.reward_protocol import Reward
 
 LengthUnit = Literal["tokens", "characters"]
 
@@ -36,7 +36,7 @@ class OnlineDPOModule(OnlineModule):
 
     Iteration ``t`` samples ``rollout.samples_per_prompt = n >= 2`` responses for each prompt of the
     DataModule's next batch, scores them with the reward (a reward-model directory, any reward callable,
-    or a preference model through :class:`PreferenceRanking`), optionally length-penalised
+    or a preference model through :class:`~alignlit.rewards.PreferenceRanking`), optionally length-penalised
     ``r - λ|y|`` (RLHF-Workflow eq. 8), and pairs the best of ``n`` with the worst of ``n``
     (:func:`~alignlit.data.best_worst_pairs`; pairs of identical responses and pairs whose penalised
     gap is ``<= min_gap`` are dropped and counted). The policy, continuing from the last iterate, then
@@ -54,7 +54,7 @@ class OnlineDPOModule(OnlineModule):
 
     Args:
         policy: see :class:`~alignlit.modules.online.OnlineModule`.
-        reward: see :class:`~alignlit.modules.online.OnlineModule`; or a :class:`PreferenceRanking`.
+        reward: see :class:`~alignlit.modules.online.OnlineModule`; or a :class:`~alignlit.rewards.PreferenceRanking`.
         loss_type: a registered preference loss (``dpo``, ``ipo``, ``hinge``, ``simpo``, ``slic``), a
             dotted path or a ``class_path`` (see :class:`~alignlit.modules.DPOModule`).
         loss_args: hyperparameters of a registered loss (dpo: ``{beta: 0.1, label_smoothing: 0.0}``).

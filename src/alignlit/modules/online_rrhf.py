@@ -20,7 +20,7 @@ from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.ops import kl_estimate
-from alignlit.rollout.reward import Reward, score_texts
+from alignlit.rollout.reward_protocol import Reward, score_texts
 
 
 def read_extra_responses(path: str) -> dict[str, list[str]]:

@@ -30,7 +30,7 @@ from alignlit.rollout.episodes import EpisodeReturn, run_episodes
 from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.parity import check_parity
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
-from alignlit.rollout.reward import Reward, reward_counters, score_rollout
+from alignlit.rollout.reward_protocol import Reward, reward_counters, score_rollout
 
 
 class RolloutLoop:
@@ -420,7 +420,7 @@ class RolloutLoop:
         engine: RolloutEngine | None = None,
     ) -> Experience:
         """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
-        (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given.
+        (see :func:`~alignlit.rollout.reward_protocol.score_rollout`); a training rollout unless ``sampling`` is given.
         ``engine``: see :meth:`generate`. The experience carries the metrics of its making and scoring."""
         if self.environment is not None and not isinstance(reward, EpisodeReturn):
             raise ValueError(
