@@ -1,5 +1,6 @@
 """Model loading, tiny-model and tokenizer factories, and Hugging Face export."""
 
+from alignlit.data.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 from alignlit.hub import ModelNotFoundError, Pretrained, RemoteCodeError, resolve_model
 from alignlit.models.export import ExportDirError, check_export_dir, export_pretrained, read_metadata
 from alignlit.models.loading import (
@@ -11,7 +12,6 @@ from alignlit.models.loading import (
     load_tokenizer,
 )
 from alignlit.models.tiny import TinyLlama, make_tiny_llama, tiny_llama_config
-from alignlit.models.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 
 __all__ = [
     "HH_CHAT_TEMPLATE",
