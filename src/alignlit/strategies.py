@@ -115,19 +115,6 @@ def parallelize_causal_lm(
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of a possibly DTensor-sharded model.
-
-    A collective when the model is sharded: every rank must call it. Plain tensors pass through.
-    """
-    from torch.distributed.tensor import DTensor
-
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for k, v in model.state_dict().items()
-    }
-
-
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     """Global gradient-norm clipping that works when some gradients are DTensors (tensor parallel /

@@ -11,6 +11,7 @@ from alignlit.models.loading import (
     load_scalar_model,
     load_tokenizer,
 )
+from alignlit.models.state_dict import full_state_dict
 from alignlit.models.tiny import TinyLlama, make_tiny_llama, tiny_llama_config
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "TinyLlama",
     "check_export_dir",
     "export_pretrained",
+    "full_state_dict",
     "last_token_index",
     "load_policy",
     "load_scalar_model",

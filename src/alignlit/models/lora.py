@@ -28,6 +28,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from alignlit.models.state_dict import full_state_dict
+
 ADAPTER = "default"
 """Name of the one adapter a stage trains."""
 
@@ -321,16 +323,11 @@ def merged_state_dict(
     Args:
         model: a Hugging Face model (or ScalarHeadModel) with a LoRA adapter.
         state: its full state dict when it is sharded (gathered with
-            :func:`alignlit.strategies.full_state_dict`); default ``model.state_dict()`` (whose
+            :func:`alignlit.models.state_dict.full_state_dict`); default ``model.state_dict()`` (whose
             DTensor shards are gathered here, a collective every rank must join).
     """
     hf = _hf(model)
-    if state is None:
-        state = {}
-        for key, value in hf.state_dict().items():
-            state[key] = value.full_tensor() if hasattr(value, "full_tensor") else value
-    else:
-        state = dict(state)
+    state = full_state_dict(hf, None) if state is None else dict(state)
     if state and all(k.startswith("hf_model.") for k in state):
         state = {k.removeprefix("hf_model."): v for k, v in state.items()}
     for name, layer in lora_layers(hf):

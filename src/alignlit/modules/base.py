@@ -381,7 +381,7 @@ class AlignModule(L.LightningModule):
         written by rank 0 (its path returned; None on the other ranks), then the ranks wait for it."""
         state = None
         if self.device_mesh is not None:
-            from alignlit.strategies import full_state_dict
+            from alignlit.models.state_dict import full_state_dict
 
             model = self.export_model()
             state = full_state_dict(getattr(model, "hf_model", model))  # the names save_pretrained writes

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from alignlit.data.args import resolve_seed
+from alignlit.models.state_dict import full_state_dict
 from alignlit.rollout.base import Experience, Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.environment import Environment
 from alignlit.rollout.episodes import EpisodeReturn, run_episodes
@@ -292,9 +293,7 @@ class RolloutLoop:
 
     def snapshot(self, version: int) -> WeightSnapshot:
         """A copy of the policy's current full state dict on the CPU (LoRA merged), as ``version``."""
-        from alignlit.rollout.vllm_engine import VLLMEngine
-
-        state = VLLMEngine.gather_state_dict(self.policy, "cpu")
+        state = full_state_dict(self.policy, "cpu", merge_lora=True)
         return WeightSnapshot(version, {k: v.clone() for k, v in state.items()})
 
     def stop_pipeline(self) -> None:
