@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from alignlit.models.hf_internals import peft_adapter_loaded, set_peft_adapter_loaded
 from alignlit.models.state_dict import full_state_dict
 
 ADAPTER = "default"
@@ -115,7 +116,7 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` (a Hugging Face model or a ScalarHeadModel) carries a LoRA adapter."""
-    return bool(getattr(_hf(model), "_hf_peft_config_loaded", False)) and bool(lora_layers(model))
+    return peft_adapter_loaded(_hf(model)) and bool(lora_layers(model))
 
 
 def _check_targets(hf: nn.Module, lora: LoRA) -> None:
@@ -352,12 +353,12 @@ def merged_state_dict(
 @contextmanager
 def _as_plain_model(hf: nn.Module) -> Iterator[None]:
     """Let ``save_pretrained`` write the full model (not the adapter alone) for the block."""
-    flag = hf._hf_peft_config_loaded
-    hf._hf_peft_config_loaded = False
+    flag = peft_adapter_loaded(hf)
+    set_peft_adapter_loaded(hf, False)
     try:
         yield
     finally:
-        hf._hf_peft_config_loaded = flag
+        set_peft_adapter_loaded(hf, flag)
 
 
 def save_lora_model(
@@ -428,7 +429,7 @@ def load_adapter_export(path: str | Path, base_model: nn.Module) -> nn.Module:
     """``base_model`` with the adapter at ``path`` loaded and merged into its weights (a plain model)."""
     peft = _peft()
     merged = peft.PeftModel.from_pretrained(base_model, str(path)).merge_and_unload()
-    merged._hf_peft_config_loaded = False
+    set_peft_adapter_loaded(merged, False)
     return merged
 
 
