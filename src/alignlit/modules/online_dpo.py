@@ -20,6 +20,7 @@ from alignlit.data.preference import PairEncoder, PairExample, collate_preferenc
 from alignlit.data.processing import Pair
 from alignlit.data.records import read_records
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses import PreferenceLoss
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import OnlineModule
@@ -177,7 +178,7 @@ class OnlineDPOModule(OnlineModule):
     # ------------------------------------------------------------------ setup and state
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             raise ValueError(
                 f"online DPO runs in a single process: the {self.trainer.world_size} ranks would keep different "
                 "numbers of pairs and take different numbers of optimizer steps"
@@ -216,14 +217,14 @@ class OnlineDPOModule(OnlineModule):
     def data_path(self, t: int) -> Path | None:
         """Where iteration ``t``'s files go (None: no trainer and no ``data_dir``, nothing is written)."""
         root = self.data_dir
-        if root is None and self._trainer is not None:
+        if root is None and attached_trainer(self) is not None:
             root = str(Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{self.stage}_data")
         return None if root is None else Path(root) / f"iter_{t:04d}"
 
     def write_iteration(self, t: int, trajectory: Trajectory, pairs: list[dict]) -> None:
         """Write iteration ``t``'s ranked samples and pairs as JSONL, atomically."""
         path = self.data_path(t)
-        if path is None or (self._trainer is not None and not self.trainer.is_global_zero):
+        if path is None or (attached_trainer(self) is not None and not self.trainer.is_global_zero):
             return
         rollout, n = trajectory, trajectory.n
         tokens, scores = trajectory.action_mask.sum(-1).tolist(), trajectory.scores.tolist()

@@ -13,6 +13,7 @@ import torch
 from alignlit.data.encoding import Encoded, Truncation, pad_left, pad_right
 from alignlit.data.records import read_records
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.tiny import TinyLlama
@@ -134,7 +135,7 @@ class OnlineRRHFModule(OnlineModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             raise ValueError("online RRHF runs in a single process")
 
     # ------------------------------------------------------------------ the set of one resample

@@ -13,6 +13,7 @@ from torchmetrics import CatMetric, MeanMetric, PearsonCorrCoef
 
 from alignlit.data.preference import PreferenceBatch
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
@@ -163,7 +164,11 @@ class RewardModule(AlignModule):
     def export(self, out_dir, *, state_dict=None):
         """The reward model's export, its ``config.json`` saying how it scores
         (:func:`~alignlit.models.reward_model.reward_format`: layout, lengths, truncation)."""
-        hp = getattr(getattr(self._trainer, "datamodule", None), "hparams", {}) if self._trainer else {}
+        hp = (
+            getattr(getattr(attached_trainer(self), "datamodule", None), "hparams", {})
+            if attached_trainer(self)
+            else {}
+        )
         fmt = reward_format(
             self.tokenizer, max_length=hp.get("max_length"), max_prompt_length=hp.get("max_prompt_length")
         )

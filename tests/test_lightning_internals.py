@@ -1,0 +1,54 @@
+"""The Lightning and torch internals alignlit relies on (alignlit.lightning_internals) are still there.
+
+``test_the_installed_lightning_and_torch_have_every_internal`` is the guard: when a release in (or beyond)
+the pinned range moves one, it fails with the version, the pinned range and the name of what moved. The
+other tests take each internal away and check that the guard says so.
+"""
+
+from __future__ import annotations
+
+import lightning
+import pytest
+import torch
+from torch import nn
+
+from alignlit import lightning_internals
+from alignlit.lightning_internals import LightningInternalsChanged
+
+
+def test_the_installed_lightning_and_torch_have_every_internal():
+    lightning_internals.check()
+
+
+@pytest.mark.parametrize(
+    ("constant", "renamed", "named"),
+    [
+        ("_TRAINER", "_trainer_renamed", "LightningModule._trainer_renamed"),
+        ("_STEPPED", "_steps_renamed", "epoch_loop.state_dict._steps_renamed"),
+        ("_FIT_LOOP_KEYS", ("epoch_loop.renamed_progress",), "epoch_loop.renamed_progress"),
+        ("_COUNTS", ("ready", "renamed"), "epoch_progress.total"),
+    ],
+)
+def test_a_lightning_internal_that_moved_is_named_with_the_pinned_range(
+    monkeypatch, constant, renamed, named
+):
+    monkeypatch.setattr(lightning_internals, constant, renamed)  # as if a release renamed it
+    with pytest.raises(LightningInternalsChanged) as e:
+        lightning_internals.check()
+    message = str(e.value)
+    assert named in message and f"lightning {lightning.__version__}" in message
+    assert "lightning<" in message or "lightning>" in message, "no pinned range named"
+
+
+def test_a_missing_dropout_base_class_is_named(monkeypatch):
+    monkeypatch.delattr(nn.modules.dropout, "_DropoutNd")
+    with pytest.raises(LightningInternalsChanged) as e:
+        lightning_internals.check()
+    assert "_DropoutNd" in str(e.value) and f"torch {torch.__version__}" in str(e.value)
+
+
+def test_the_helpers():
+    module = lightning.LightningModule()
+    assert lightning_internals.attached_trainer(module) is None
+    assert all(lightning_internals.is_dropout(m) for m in (nn.Dropout(), nn.Dropout2d(), nn.AlphaDropout()))
+    assert not lightning_internals.is_dropout(nn.Linear(1, 1))
