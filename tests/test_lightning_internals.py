@@ -7,6 +7,8 @@ other tests take each internal away and check that the guard says so.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning
 import pytest
 import torch
@@ -52,3 +54,40 @@ def test_the_helpers():
     assert lightning_internals.attached_trainer(module) is None
     assert all(lightning_internals.is_dropout(m) for m in (nn.Dropout(), nn.Dropout2d(), nn.AlphaDropout()))
     assert not lightning_internals.is_dropout(nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("lightning.fabric.utilities.cloud_io", "_is_local_file_protocol"),
+        ("lightning.pytorch.utilities.imports", "_RICH_AVAILABLE"),
+        ("lightning.pytorch.cli.LightningCLI", "_instantiate_trainer"),
+    ],
+)
+def test_a_missing_lightning_name_is_named(monkeypatch, module, name):
+    import importlib
+
+    path, _, cls = module.rpartition(".")
+    owner = (
+        getattr(importlib.import_module(path), cls) if cls[0].isupper() else importlib.import_module(module)
+    )
+    monkeypatch.delattr(owner, name)
+    with pytest.raises(LightningInternalsChanged) as e:
+        lightning_internals.check()
+    assert name in str(e.value) and f"lightning {lightning.__version__}" in str(e.value)
+
+
+def test_lightning_cli_that_stops_keeping_subcommand_parsers_is_named(monkeypatch):
+    monkeypatch.setattr(lightning_internals, "_SUBCOMMAND_PARSERS", "_parsers_renamed")
+    with pytest.raises(LightningInternalsChanged, match="_parsers_renamed"):
+        lightning_internals.check()
+
+
+def test_the_io_and_cli_helpers():
+    assert lightning_internals.is_local_path("/tmp/a.ckpt") and not lightning_internals.is_local_path(
+        "s3://b/a"
+    )
+    assert isinstance(lightning_internals.rich_available(), bool)
+    cli = SimpleNamespace(_subcommand_parsers={"fit": "fit parser"})
+    assert lightning_internals.subcommand_parser(cli, "fit", "root") == "fit parser"
+    assert lightning_internals.subcommand_parser(cli, "validate", "root") == "root"

@@ -13,10 +13,18 @@ installed version, the pinned range and the name of what moved when a release ch
    and ``state_dict``'s ``combined_loader``, rewritten by :func:`finish_epoch_in_checkpoint`.
 3. ``torch.nn.modules.dropout._DropoutNd``: the base class of every torch dropout layer
    (:func:`is_dropout`).
+4. ``lightning.fabric.utilities.cloud_io._is_local_file_protocol``: whether a checkpoint path is on the
+   local file system (:func:`is_local_path`).
+5. ``lightning.pytorch.utilities.imports._RICH_AVAILABLE``: whether Lightning's rich progress bar can run
+   (:func:`rich_available`).
+6. ``LightningCLI._subcommand_parsers`` (the parser of each subcommand, read by :func:`subcommand_parser`)
+   and ``LightningCLI._instantiate_trainer(config, callbacks)``, which ``alignlit.cli.lightning.AlignCLI``
+   overrides to add its checkpoint plugin and progress bar (its presence is checked here).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning
@@ -36,6 +44,7 @@ _FIT_LOOP_KEYS = (
     "state_dict",
 )
 _COUNTS = ("ready", "started", "processed", "completed")
+_SUBCOMMAND_PARSERS = "_subcommand_parsers"
 
 
 class LightningInternalsChanged(RuntimeError):
@@ -53,6 +62,25 @@ def _changed(library: str, internal: str, detail: str) -> LightningInternalsChan
 def attached_trainer(module: lightning.LightningModule) -> lightning.Trainer | None:
     """The trainer ``module`` is attached to, or None (``module.trainer`` raises then)."""
     return getattr(module, _TRAINER)
+
+
+def is_local_path(path) -> bool:
+    """Whether ``path`` is on the local file system (no ``s3://``-style protocol), as Lightning decides."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    return _is_local_file_protocol(str(path))
+
+
+def rich_available() -> bool:
+    """Whether Lightning's rich progress bar can run (the ``rich`` package is installed)."""
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    return bool(_RICH_AVAILABLE)
+
+
+def subcommand_parser(cli, subcommand: str | None, default):
+    """The parser of ``subcommand`` of a ``LightningCLI`` (``default`` when it has none)."""
+    return getattr(cli, _SUBCOMMAND_PARSERS, {}).get(subcommand, default)
 
 
 def is_dropout(module: nn.Module) -> bool:
@@ -121,6 +149,25 @@ def check() -> None:
                 )
     if "is_last_batch" not in state["epoch_loop.batch_progress"]:
         raise _changed("lightning", "epoch_loop.batch_progress.is_last_batch", "not in the batch progress")
+    _check_cli_and_io()
     base = getattr(nn.modules.dropout, "_DropoutNd", None)
     if not (isinstance(base, type) and issubclass(nn.Dropout, base)):
         raise _changed("torch", "torch.nn.modules.dropout._DropoutNd", "not the base class of nn.Dropout")
+
+
+def _check_cli_and_io() -> None:
+    from lightning.fabric.utilities import cloud_io
+    from lightning.pytorch import cli
+    from lightning.pytorch.utilities import imports
+
+    if not callable(getattr(cloud_io, "_is_local_file_protocol", None)):
+        raise _changed("lightning", "lightning.fabric.utilities.cloud_io._is_local_file_protocol", "gone")
+    if not (is_local_path("/tmp/x.ckpt") and not is_local_path("s3://bucket/x.ckpt")):
+        raise _changed("lightning", "cloud_io._is_local_file_protocol", "no longer tells local paths")
+    if not hasattr(imports, "_RICH_AVAILABLE"):
+        raise _changed("lightning", "lightning.pytorch.utilities.imports._RICH_AVAILABLE", "gone")
+    if not callable(getattr(cli.LightningCLI, "_instantiate_trainer", None)):
+        raise _changed("lightning", "LightningCLI._instantiate_trainer", "AlignCLI overrides it")
+    source = inspect.getsource(cli.LightningCLI)
+    if f"self.{_SUBCOMMAND_PARSERS}" not in source:
+        raise _changed("lightning", f"LightningCLI.{_SUBCOMMAND_PARSERS}", "no longer set by LightningCLI")

@@ -20,6 +20,7 @@ from alignlit.checkpoint_io import (
 from alignlit.cli.config_errors import AlignArgumentParser
 from alignlit.cli.resume import config_changes, hparams_changes, refusal
 from alignlit.cli.run_dir import default_logger
+from alignlit.lightning_internals import subcommand_parser
 from alignlit.modules.base import AlignModule
 
 INT_OR_FRACTION = {
@@ -108,7 +109,7 @@ class AlignCLI(LightningCLI):
     def _fail(self, message: str):
         """Exit with status 2 and ``message``, as ``alignlit <subcommand>: error: ...``."""
         sub = self.config.get("subcommand") if getattr(self, "config", None) is not None else None
-        parser = getattr(self, "_subcommand_parsers", {}).get(sub, self.parser)
+        parser = subcommand_parser(self, sub, self.parser)
         parser.fail(message)
 
     def _check_resume(self, checkpoint: dict, ckpt_path: str, given: dict[str, Any]) -> None:
@@ -159,9 +160,9 @@ class AlignCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in [*configured, *callbacks]
         ):
-            from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+            from alignlit.lightning_internals import rich_available
 
-            if _RICH_AVAILABLE:  # else Lightning's tqdm bar, which has no "Epoch 0/-2"
+            if rich_available():  # else Lightning's tqdm bar, which has no "Epoch 0/-2"
                 callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
 
