@@ -18,6 +18,7 @@ from alignlit.checkpoint_io import (
     read_checkpoint,
 )
 from alignlit.cli.config_errors import AlignArgumentParser
+from alignlit.cli.jsonargparse_internals import parser_actions, set_typehint
 from alignlit.cli.resume import config_changes, hparams_changes, refusal
 from alignlit.cli.run_dir import default_logger
 from alignlit.lightning_internals import subcommand_parser
@@ -87,9 +88,9 @@ class AlignCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser) -> None:
-        for action in parser._actions:
-            if action.dest in INT_OR_FRACTION and hasattr(action, "_typehint"):
-                action._typehint = int | float | None  # int first: "1" is one batch, "1.0" all of them
+        for action in parser_actions(parser):
+            if action.dest in INT_OR_FRACTION:
+                set_typehint(action, int | float | None)  # int first: "1" is one batch, "1.0" all of them
 
     def _parse_ckpt_path(self) -> None:
         sub = self.config.get("subcommand")
