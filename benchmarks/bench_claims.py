@@ -174,7 +174,7 @@ class ClaimsBench(bq.Bench):
         from alignlit.eval.gold import evaluate_policy
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
-        from alignlit.rollout.reward import resolve_reward, score_texts
+        from alignlit.rollout.reward_protocol import resolve_reward, score_texts
         from alignlit.sim import load_sim
 
         prompts = self.prompts("test")

@@ -143,7 +143,7 @@ class Bench:
         from alignlit.eval.gold import chunked_rollouts, kl_to_reference
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
-        from alignlit.rollout.reward import score_texts
+        from alignlit.rollout.reward_protocol import score_texts
         from alignlit.sim import load_sim
 
         out = self.run_dir(arm, lr, seed) / f"eval_{split}.json"

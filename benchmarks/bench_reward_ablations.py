@@ -310,7 +310,7 @@ def annotator_ceiling(sim_dir: Path, records: list) -> dict[str, float]:
     the noise-free annotator preference ``sign((g_w - g_l)/τ + b·(|y_w| - |y_l|))`` (a reward model that
     learnt the annotators perfectly ranks so)."""
     from alignlit.data.pair_records import parse_pairs
-    from alignlit.sim.reward import load_sim
+    from alignlit.sim.data import load_sim
     from alignlit.sim.task import num_words
 
     task, manifest = load_sim(sim_dir)

@@ -131,7 +131,7 @@ def reward_fn(prompts: list[str], completions: list[str]) -> list[float]:
     """The reward both sides call: the simulated task's gold reward of each completion."""
     global _TASK
     if _TASK is None:
-        from alignlit.sim.reward import load_sim
+        from alignlit.sim.data import load_sim
 
         _TASK, _ = load_sim(os.environ["BENCH_SIM_DIR"])
     task_prompts = [

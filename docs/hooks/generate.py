@@ -32,7 +32,7 @@ API_PACKAGES = [
     ("losses", "Losses: pure tensor functions and their registries"),
     ("ops", "RL math: advantages, KL, GAE, statistics, rollout corrections"),
     ("rollout", "Rollout engines, the rollout loop, environments, tools"),
-    ("rewards", "Verifiable rewards and the LLM judge"),
+    ("rewards", "Rewards a stage can take: verifiers, the LLM judge, a preference model"),
     ("models", "Loading, exporting, the teacher-forced forward, LoRA"),
     ("eval", "Evaluation: gold reward, verifiable accuracy, plots"),
     ("sim", "The simulated-human-feedback task"),

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch import Callback
 
 from alignlit.checkpoint_io import CHECKPOINT_KEY, CheckpointError
+from alignlit.lightning_internals import is_local_path
 from alignlit.models.export import check_export_dir
 
 
@@ -166,11 +167,11 @@ class CheckpointStageStamp(Callback):
 
     # ---------------------------------------------------------------- one run per checkpoint folder
     def on_fit_start(self, trainer, pl_module) -> None:
-        resumed = trainer.ckpt_path if trainer.ckpt_path and _is_local(trainer.ckpt_path) else None
+        resumed = trainer.ckpt_path if trainer.ckpt_path and is_local_path(trainer.ckpt_path) else None
         run = checkpoint_run(resumed) if resumed else None
         for callback in trainer.checkpoint_callbacks:
             folder = getattr(callback, "dirpath", None)
-            if not folder or not _is_local(folder) or not Path(folder).is_dir():
+            if not folder or not is_local_path(folder) or not Path(folder).is_dir():
                 continue
             files = sorted(p for p in Path(folder).glob("*.ckpt") if p.is_file())
             if resumed:
@@ -212,12 +213,6 @@ class CheckpointStageStamp(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:
             print(interrupted_message(trainer, pl_module), file=sys.stderr, flush=True)
-
-
-def _is_local(path) -> bool:
-    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-
-    return _is_local_file_protocol(str(path))
 
 
 def checkpoint_run(path) -> str | None:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from alignlit.lightning_internals import is_local_path
 
 #: key of the alignlit entry a checkpoint carries (written by :class:`alignlit.callbacks.CheckpointGuard`)
 CHECKPOINT_KEY = "alignlit"
@@ -153,7 +154,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(
                 f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
             )
-        if not _is_local_file_protocol(str(path)):
+        if not is_local_path(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
         return None
@@ -161,6 +162,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict:
-        if not _is_local_file_protocol(str(path)):
+        if not is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         return read_checkpoint(path, map_location=map_location, weights_only=weights_only)

@@ -78,3 +78,22 @@ def resolve_registered(name: str, registry: dict, what: str):
         if callable(fn):
             return fn
     raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(registry)} or a dotted function path")
+
+
+def pinned_range(distribution: str) -> str:
+    """The version range of ``distribution`` alignlit's metadata requires (e.g. ``transformers<5.20,>=5.16.1``),
+    for messages about a dependency's internals; ``the range in pyproject.toml`` when the metadata is absent."""
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("alignlit") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    for req in requires:
+        spec = req.split(";")[0].strip()
+        name = spec.split("[")[0]
+        for sep in "<>=!~ ":
+            name = name.split(sep)[0]
+        if name.lower() == distribution.lower():
+            return spec
+    return f"{distribution} (the range in pyproject.toml)"

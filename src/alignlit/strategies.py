@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from alignlit.models.hf_internals import mark_fsdp_managed
+
 
 def _decoder_layers(model: nn.Module):
     base = getattr(model, "model", None)
@@ -109,23 +111,8 @@ def parallelize_causal_lm(
             if isinstance(part, nn.Module) and any(True for _ in part.parameters()):
                 fully_shard(part, **shard)
         fully_shard(model, **shard)
-        # Hugging Face's marker of an FSDP-managed model: `generate` then keeps every rank stepping until
-        # all ranks' sequences are done (synced_gpus), since each step all-gathers the sharded weights
-        model._is_fsdp_managed_module = True
+        mark_fsdp_managed(model)  # `generate` keeps every rank stepping (synced_gpus)
     return model
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict of a possibly DTensor-sharded model.
-
-    A collective when the model is sharded: every rank must call it. Plain tensors pass through.
-    """
-    from torch.distributed.tensor import DTensor
-
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        for k, v in model.state_dict().items()
-    }
 
 
 @torch.no_grad()

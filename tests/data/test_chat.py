@@ -23,7 +23,7 @@ from alignlit.data import (
 from alignlit.data.encoding import collate_lm
 from alignlit.data.sources import DatasetNotFound
 from alignlit.rollout.postprocess import encode_prompts
-from alignlit.rollout.reward import score_texts
+from alignlit.rollout.reward_protocol import score_texts
 from tests.hubcache import GSM8K_TRAIN, snapshot_dir
 
 GSM8K_TEST = GSM8K_TRAIN.with_name("test.jsonl.gz")

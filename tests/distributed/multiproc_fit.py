@@ -264,7 +264,7 @@ def _trained(module) -> dict[str, torch.nn.Module]:
 
 
 def fit(work: str, strategy_name: str, out: str, stages: list[str]) -> None:
-    from alignlit.strategies import full_state_dict
+    from alignlit.models.state_dict import full_state_dict
 
     work, out = Path(work), Path(out)
     for stage in stages:

@@ -18,8 +18,7 @@ from alignlit.models import TinyLlama
 from alignlit.modules import Minibatches, Optim, SFTModule
 from alignlit.rollout import Experience, RolloutLoop, SamplingParams
 from alignlit.sim import SimGoldReward
-from alignlit.sim.data import make_data
-from alignlit.sim.tokenizer import write_tokenizer
+from alignlit.sim.data import make_data, write_tokenizer
 from tests.conftest import TINY
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "online_kto.py"

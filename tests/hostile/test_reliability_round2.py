@@ -399,7 +399,7 @@ def test_plain_transformers_scores_equal_alignlits_including_at_the_length_limit
     """Before: the export did not say that it scores prompt + response + EOS, and at the length limit the
     EOS was dropped, so a plain-transformers user (who appends it) got other scores."""
     from alignlit.models import load_reward_model
-    from alignlit.models.reward import REWARD_FORMAT_KEY
+    from alignlit.models.reward_model import REWARD_FORMAT_KEY
 
     config = json.loads((trained_rm / "config.json").read_text())
     fmt = config[REWARD_FORMAT_KEY]
@@ -452,7 +452,7 @@ def _gen(p, r):
 def test_a_bad_reward_value_is_named_with_the_reward(out, message):
     """Before: tracebacks from torch.as_tensor inside _checked without "reward returned …", and 1e39
     reported as non-finite."""
-    from alignlit.rollout.reward import score_texts
+    from alignlit.rollout.reward_protocol import score_texts
 
     reward = out if callable(out) else (lambda prompts, responses: out)
     with pytest.raises(ValueError, match=r"^reward \S+ " + message):

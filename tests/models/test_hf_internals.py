@@ -72,3 +72,48 @@ def test_importing_the_forward_functions_registers_nothing_with_transformers():
         "assert GROUPED_ATTENTION not in AttentionInterface(), 'registered at import'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [
+        ("transformers.PreTrainedModel", "_hf_peft_config_loaded"),
+        ("transformers.CompileConfig", "_compile_all_devices"),
+    ],
+)
+def test_a_missing_private_flag_is_named_with_the_pinned_range(monkeypatch, target, name):
+    import importlib
+
+    module, cls = target.rsplit(".", 1)
+    owner = next(
+        c for c in getattr(importlib.import_module(module), cls).__mro__ if name in vars(c)
+    )  # the class that defines the flag
+    monkeypatch.delattr(owner, name)
+    with pytest.raises(TransformersInternalsChanged) as e:
+        hf_internals.check_flags()
+    assert name in str(e.value) and f"transformers {transformers.__version__}" in str(e.value)
+    assert "transformers<" in str(e.value) or "transformers>" in str(e.value), "no pinned range named"
+
+
+def test_is_fsdp_managed_module_that_stops_reading_the_flag_is_named(monkeypatch):
+    from transformers.integrations import fsdp
+
+    monkeypatch.setattr(fsdp, "is_fsdp_managed_module", lambda module: False)
+    with pytest.raises(TransformersInternalsChanged, match="_is_fsdp_managed_module"):
+        hf_internals.check_flags()
+
+
+def test_the_flag_helpers_write_what_transformers_reads(tokenizer):
+    from transformers import CompileConfig
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    from alignlit.models import make_tiny_llama
+    from tests.conftest import TINY
+
+    model = make_tiny_llama(tokenizer, **TINY)
+    assert not hf_internals.peft_adapter_loaded(model)
+    hf_internals.set_peft_adapter_loaded(model, True)
+    assert hf_internals.peft_adapter_loaded(model) and model._hf_peft_config_loaded
+    assert hf_internals.compile_on_every_device(CompileConfig())._compile_all_devices is True
+    hf_internals.mark_fsdp_managed(model)
+    assert is_fsdp_managed_module(model)

@@ -22,9 +22,9 @@ from alignlit.models.lora import (
     merged_state_dict,
     parameter_bytes,
 )
+from alignlit.models.state_dict import full_state_dict
 from alignlit.modules import DPOModule, Minibatches, Optim, PPOModule, RewardModule, SFTModule
 from alignlit.rollout import RolloutLoop, SamplingParams
-from alignlit.rollout.vllm_engine import VLLMEngine
 from tests.modules.test_dpo import _Killed, _pairs_file, _Record
 
 LORA = LoRA(rank=4, alpha=8.0)
@@ -201,7 +201,7 @@ def test_vllm_sync_sends_merged_weights_under_checkpoint_names(tiny_policy_dir):
     them for every sync (no vLLM needed to check the tensors sent)."""
     module = SFTModule(str(tiny_policy_dir), lora=LORA)
     _perturb_adapter(module.policy)
-    state = VLLMEngine.gather_state_dict(module.policy, "cpu")
+    state = full_state_dict(module.policy, "cpu", merge_lora=True)
     assert state.keys() == load_file(str(tiny_policy_dir / "model.safetensors")).keys()
     merged = merged_state_dict(module.policy)
     for key, value in state.items():

@@ -15,7 +15,7 @@ from alignlit.models.forward import response_logprobs
 from alignlit.models.modes import disable_dropout
 from alignlit.modules import Minibatches, PPOModule
 from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
-from alignlit.rollout.reward import resolve_reward
+from alignlit.rollout.reward_protocol import resolve_reward
 from tests.conftest import TINY
 
 PROMPTS = [

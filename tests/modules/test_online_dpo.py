@@ -20,9 +20,10 @@ from alignlit.models import (
     load_scalar_model,
     make_tiny_llama,
 )
-from alignlit.models.reward import PreferenceModel
+from alignlit.models.reward_model import PreferenceModel
 from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, PairwisePrefModule, PtxMix
-from alignlit.rollout import Experience, PreferenceRanking, Rollout, RolloutLoop, SamplingParams
+from alignlit.rewards import PreferenceRanking
+from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -489,7 +490,7 @@ def test_config_takes_a_preference_model_as_reward():
 
     cli = ParseOnly(
         args=[
-            "--config", str(CONFIG), "--model.init_args.reward.class_path=alignlit.rollout.PreferenceRanking",
+            "--config", str(CONFIG), "--model.init_args.reward.class_path=alignlit.rewards.PreferenceRanking",
             "--model.init_args.reward.init_args.model=out/quickstart/pairpref",
             "--model.init_args.reward.init_args.mode=reference",
             "--model.init_args.reward.init_args.references=data/sim/sft_val.jsonl",
@@ -497,7 +498,7 @@ def test_config_takes_a_preference_model_as_reward():
         run=False,
     )  # fmt: skip
     reward = cli.config.model.init_args.reward
-    assert reward.class_path == "alignlit.rollout.PreferenceRanking" and reward.init_args.mode == "reference"
+    assert reward.class_path == "alignlit.rewards.PreferenceRanking" and reward.init_args.mode == "reference"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from alignlit.data import Prompt
 from alignlit.rewards.judge import JudgeError, JudgeReward
-from alignlit.rollout.reward import score_texts
+from alignlit.rollout.reward_protocol import score_texts
 
 
 class Judge(BaseHTTPRequestHandler):

@@ -21,7 +21,7 @@ from alignlit.data.records import DataError
 from alignlit.rewards import verify_pool
 from alignlit.rewards._verify_worker import final_answer, normalize_digits
 from alignlit.rewards.math import MathVerifyReward, gold_answer, has_final_answer_format
-from alignlit.rollout.reward import score_texts
+from alignlit.rollout.reward_protocol import score_texts
 
 GSM8K = Path("/work/shared/data/gsm8k/test.jsonl.gz")
 

@@ -99,7 +99,7 @@ def test_verifier_reads_only_the_manifest(tmp_path):
 def test_verifier_is_a_reward_of_online_stages(sim_dir):
     """As a config gives it (``reward: {class_path: alignlit.rewards.SimVerifier, ...}``), the reward
     type of every online stage accepts it and checks its output."""
-    from alignlit.rollout.reward import resolve_reward, score_texts
+    from alignlit.rollout.reward_protocol import resolve_reward, score_texts
 
     reward = resolve_reward(SimVerifier(sim_dir))
     assert score_texts(reward, [SORT, SORT], [" a c d", " a c d ok"]).tolist() == [1.0, 0.0]

@@ -363,34 +363,6 @@ def test_bad_inputs_raise(tokenizer, policy, engine):
         engine.sync(torch.nn.Linear(2, 2))
 
 
-def test_weight_gather_turns_fsdp2_dtensor_shards_into_full_tensors(tokenizer, policy):
-    """VLLMEngine.sync's gather step on an FSDP2-sharded policy (one gloo process, no vLLM needed)."""
-    import copy
-    import socket
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    assert not dist.is_initialized(), "a process group leaked from another test"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        sharded = copy.deepcopy(policy)
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
-        assert all(isinstance(t, DTensor) for t in sharded.state_dict().values())
-        gathered = VLLMEngine.gather_state_dict(sharded, "cpu")
-    finally:
-        dist.destroy_process_group()
-    expected = policy.state_dict()
-    assert set(gathered) == set(expected)
-    for name, tensor in gathered.items():
-        assert type(tensor) is torch.Tensor and torch.equal(tensor, expected[name]), name
-
-
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_engine_without_vllm_says_how_to_install(tokenizer, tiny_policy_dir):
     with pytest.raises(ImportError, match=r"pip install 'alignlit\[vllm\]'"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alignlit.models import load_policy
 from alignlit.rollout import RolloutLoop, SamplingParams
-from alignlit.rollout.reward import reward_counters
+from alignlit.rollout.reward_protocol import reward_counters
 
 
 class Counting:

@@ -22,6 +22,8 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from alignlit.cli.jsonargparse_internals import debug_mode_active, parser_actions
+
 TOP_LEVEL = (
     "trainer",
     "model",
@@ -43,8 +45,6 @@ class AlignArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             return super().error(message, ex)
-        from jsonargparse._common import debug_mode_active
-
         if debug_mode_active():
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
@@ -242,7 +242,7 @@ def _unrecognized(message: str, parser) -> str | None:
     m = re.match(r"unrecognized arguments: (.*)", message.strip(), flags=re.S)
     if not m:
         return None
-    options = {s for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    options = {s for a in parser_actions(parser) for s in a.option_strings if s.startswith("--")}
     out = []
     for token in m.group(1).split():
         if not token.startswith("--"):

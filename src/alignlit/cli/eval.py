@@ -28,7 +28,7 @@ from alignlit.data.records import parse_prompt, read_records
 from alignlit.eval.gold import EvalResult, best_of_n, evaluate_policy, format_table, win_rate
 from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.eval.score import rm_selector
-from alignlit.models.reward import model_positions
+from alignlit.models.reward_model import model_positions
 from alignlit.rollout.base import SamplingParams
 from alignlit.sim import load_sim
 

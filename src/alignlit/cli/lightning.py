@@ -18,8 +18,10 @@ from alignlit.checkpoint_io import (
     read_checkpoint,
 )
 from alignlit.cli.config_errors import AlignArgumentParser
+from alignlit.cli.jsonargparse_internals import parser_actions, set_typehint
 from alignlit.cli.resume import config_changes, hparams_changes, refusal
 from alignlit.cli.run_dir import default_logger
+from alignlit.lightning_internals import subcommand_parser
 from alignlit.modules.base import AlignModule
 
 INT_OR_FRACTION = {
@@ -86,9 +88,9 @@ class AlignCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser) -> None:
-        for action in parser._actions:
-            if action.dest in INT_OR_FRACTION and hasattr(action, "_typehint"):
-                action._typehint = int | float | None  # int first: "1" is one batch, "1.0" all of them
+        for action in parser_actions(parser):
+            if action.dest in INT_OR_FRACTION:
+                set_typehint(action, int | float | None)  # int first: "1" is one batch, "1.0" all of them
 
     def _parse_ckpt_path(self) -> None:
         sub = self.config.get("subcommand")
@@ -108,7 +110,7 @@ class AlignCLI(LightningCLI):
     def _fail(self, message: str):
         """Exit with status 2 and ``message``, as ``alignlit <subcommand>: error: ...``."""
         sub = self.config.get("subcommand") if getattr(self, "config", None) is not None else None
-        parser = getattr(self, "_subcommand_parsers", {}).get(sub, self.parser)
+        parser = subcommand_parser(self, sub, self.parser)
         parser.fail(message)
 
     def _check_resume(self, checkpoint: dict, ckpt_path: str, given: dict[str, Any]) -> None:
@@ -159,9 +161,9 @@ class AlignCLI(LightningCLI):
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in [*configured, *callbacks]
         ):
-            from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+            from alignlit.lightning_internals import rich_available
 
-            if _RICH_AVAILABLE:  # else Lightning's tqdm bar, which has no "Epoch 0/-2"
+            if rich_available():  # else Lightning's tqdm bar, which has no "Epoch 0/-2"
                 callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
 

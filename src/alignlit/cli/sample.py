@@ -31,9 +31,9 @@ from alignlit.data.sft import record_prompt
 from alignlit.data.sources import columns_from_pairs, rename_columns
 from alignlit.eval.lengths import Reader, describe, fit_prompts
 from alignlit.hub import ModelNotFoundError, RemoteCodeError, is_repo_id
-from alignlit.models.reward import model_positions, resolve_model_path
+from alignlit.models.reward_model import model_positions, resolve_model_path
 from alignlit.rollout.base import SamplingParams
-from alignlit.rollout.reward import resolve_reward, score_texts
+from alignlit.rollout.reward_protocol import resolve_reward, score_texts
 from alignlit.rollout.sampling import Scorer, sample_ranked
 
 
@@ -41,7 +41,7 @@ def load_scorer(spec: str, *, sim: str | Path | None = None, batch_size: int = 6
     """The scorer a ``--scorer`` value names: ``"gold"`` (the simulated task's gold reward,
     :class:`alignlit.sim.SimGoldReward` of ``sim``, the ``alignlit sim make-data`` directory), a
     reward-model directory, or the dotted path of a reward function
-    (:func:`alignlit.rollout.reward.resolve_reward`, ``batch_size`` sequences per forward)."""
+    (:func:`alignlit.rollout.reward_protocol.resolve_reward`, ``batch_size`` sequences per forward)."""
     if spec == "gold":
         if sim is None:
             raise ValueError(

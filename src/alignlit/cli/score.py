@@ -29,7 +29,7 @@ from alignlit.data.records import read_records
 from alignlit.eval.score import evaluate_pairs, score_records
 from alignlit.hub import ModelNotFoundError, RemoteCodeError
 from alignlit.models.export import read_metadata
-from alignlit.models.reward import PositionsError, resolve_model_path
+from alignlit.models.reward_model import PositionsError, resolve_model_path
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,11 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from alignlit.sim.annotator import Annotator
-from alignlit.sim.data import make_data
+from alignlit.sim.data import make_data, write_tokenizer
 from alignlit.sim.multiturn import HINTS, write_multiturn_sft
 from alignlit.sim.pairs import EXTRA_PAIRS, label_samples, make_extra_pairs
 from alignlit.sim.task import SimTask
-from alignlit.sim.tokenizer import write_tokenizer
 
 
 def _default(fn: Callable[..., Any], name: str) -> Any:

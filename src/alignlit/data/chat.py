@@ -5,7 +5,7 @@ A prompt is a :class:`Prompt`: the text the policy is given (a plain string, or 
 prompt), carrying the record it came from (:attr:`Prompt.fields`: its other columns, e.g. a GSM8K
 ``answer``) and where (:attr:`Prompt.source`, ``file:row``). It is a ``str``, so every engine, reward
 and log that takes prompt strings takes it unchanged; rewards receive its fields as keyword columns
-(:func:`alignlit.rollout.reward.score_texts`), so a reference answer travels with its prompt.
+(:func:`alignlit.rollout.reward_protocol.score_texts`), so a reference answer travels with its prompt.
 
 Rendering happens in :func:`render_messages` only, and a rendered prompt is tokenised without the
 tokenizer's own special tokens (the template already wrote them): the ids equal

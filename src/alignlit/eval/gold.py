@@ -2,7 +2,7 @@
 
 Used by ``alignlit eval`` and the quality benchmark; works with any reward callable
 ``reward_fn(prompts, responses) -> list[float]`` (the simulated task's gold reward, a trained
-reward model's ``score``), called through :func:`~alignlit.rollout.reward.score_texts` (checked, and
+reward model's ``score``), called through :func:`~alignlit.rollout.reward_protocol.score_texts` (checked, and
 given the prompts' record columns such as a reference ``answer`` when it names them). Prompts are sampled in chunks of ``batch_size`` (one progress-bar step
 each) from one seeded random stream, so the samples do not depend on ``progress``.
 """
@@ -17,7 +17,7 @@ import torch
 from alignlit.models.forward import response_logprobs
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.hf_engine import HFEngine
-from alignlit.rollout.reward import RewardFn, score_texts
+from alignlit.rollout.reward_protocol import RewardFn, score_texts
 
 
 @dataclass

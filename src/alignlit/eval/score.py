@@ -15,8 +15,13 @@ import torch
 
 from alignlit.data.pair_records import parse_pairs
 from alignlit.data.records import parse_prompt_response
-from alignlit.models.reward import AB_FORMAT_KEY, load_preference_model, load_reward_model, resolve_model_path
-from alignlit.rollout.reward import resolve_reward, score_texts
+from alignlit.models.reward_model import (
+    AB_FORMAT_KEY,
+    load_preference_model,
+    load_reward_model,
+    resolve_model_path,
+)
+from alignlit.rollout.reward_protocol import resolve_reward, score_texts
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -34,7 +39,7 @@ def score_records(
     model_dir: str, records, *, batch_size: int, max_length: int | None, counts: dict | None = None
 ) -> list[dict[str, Any]]:
     """Each record with its ``"score"``; ``counts`` (a dict), when given, receives the reward model's
-    :attr:`~alignlit.models.reward.RewardModel.counts` (what its length limits cut)."""
+    :attr:`~alignlit.models.reward_model.RewardModel.counts` (what its length limits cut)."""
     rm = load_reward_model(model_dir, batch_size=batch_size, max_length=max_length)
     prompts, responses = [], []
     for rec in records:

@@ -24,7 +24,7 @@ import torch
 
 from alignlit.eval.gold import chunked_rollouts, kl_to_reference
 from alignlit.rollout.base import SamplingParams
-from alignlit.rollout.reward import Reward, score_texts
+from alignlit.rollout.reward_protocol import Reward, score_texts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -1,5 +1,6 @@
 """Model loading, tiny-model and tokenizer factories, and Hugging Face export."""
 
+from alignlit.data.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 from alignlit.hub import ModelNotFoundError, Pretrained, RemoteCodeError, resolve_model
 from alignlit.models.export import ExportDirError, check_export_dir, export_pretrained, read_metadata
 from alignlit.models.loading import (
@@ -10,8 +11,8 @@ from alignlit.models.loading import (
     load_scalar_model,
     load_tokenizer,
 )
+from alignlit.models.state_dict import full_state_dict
 from alignlit.models.tiny import TinyLlama, make_tiny_llama, tiny_llama_config
-from alignlit.models.tokenizer import HH_CHAT_TEMPLATE, train_bpe_tokenizer
 
 __all__ = [
     "HH_CHAT_TEMPLATE",
@@ -24,6 +25,7 @@ __all__ = [
     "TinyLlama",
     "check_export_dir",
     "export_pretrained",
+    "full_state_dict",
     "last_token_index",
     "load_policy",
     "load_scalar_model",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 from alignlit.models.ensemble import RewardEnsemble, combine_scores
-from alignlit.models.reward import (
+from alignlit.models.reward_model import (
     ABFormat,
     PreferenceModel,
     RewardModel,

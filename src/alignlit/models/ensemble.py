@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from alignlit.models.reward import RewardModel, load_reward_model
+from alignlit.models.reward_model import RewardModel, load_reward_model
 
 COMBINE = ("mean", "lcb", "min")
 

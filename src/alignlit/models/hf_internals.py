@@ -2,7 +2,7 @@
 
 The padding-free forwards (:mod:`alignlit.models.packing`) run a Hugging Face decoder with an
 attention function of their own. That relies on four things transformers does not promise
-across releases; nothing else in alignlit touches them, and :func:`check` (run by
+across releases; nothing else in alignlit touches them (nor the flags listed after them), and :func:`check` (run by
 ``tests/models/test_hf_internals.py``) fails with the transformers version and the name of what moved
 when a release changes one:
 
@@ -21,6 +21,17 @@ when a release changes one:
    ``transformers.masking_utils`` returns a prepared 4D mask as-is), so a one-element
    placeholder (:func:`mask_placeholder`) skips building an ``(S, S)`` mask the grouped
    attention would not use.
+
+And three private flags transformers (with peft) reads, each written here only:
+
+5. ``model._hf_peft_config_loaded`` (``PeftAdapterMixin``): whether a model carries a peft adapter
+   (:func:`peft_adapter_loaded`); cleared for ``save_pretrained`` to write the full model and on a model
+   whose adapter was merged (:func:`set_peft_adapter_loaded`).
+6. ``CompileConfig._compile_all_devices``: ``generate`` compiles its forward on accelerators only unless
+   it is set (:func:`compile_on_every_device`).
+7. ``model._is_fsdp_managed_module``: ``transformers.integrations.fsdp.is_fsdp_managed_module`` reads it;
+   ``generate`` then keeps every rank stepping while any rank's sequences are unfinished
+   (:func:`mark_fsdp_managed`).
 """
 
 from __future__ import annotations
@@ -31,7 +42,12 @@ from contextlib import contextmanager
 import torch
 import transformers
 
+from alignlit.checks import pinned_range
+
 _INTERNAL = "_attn_implementation_internal"
+_PEFT_FLAG = "_hf_peft_config_loaded"
+_COMPILE_ALL = "_compile_all_devices"
+_FSDP_FLAG = "_is_fsdp_managed_module"
 _REGISTERED: set[str] = set()
 
 
@@ -42,8 +58,8 @@ class TransformersInternalsChanged(RuntimeError):
 def _changed(internal: str, detail: str) -> TransformersInternalsChanged:
     return TransformersInternalsChanged(
         f"transformers {transformers.__version__}: {internal} moved or changed ({detail}); "
-        "alignlit.models.hf_internals relies on it: install the transformers range pinned in "
-        "pyproject.toml, or update hf_internals"
+        f"alignlit.models.hf_internals relies on it: install the pinned {pinned_range('transformers')}, "
+        "or update hf_internals"
     )
 
 
@@ -97,13 +113,56 @@ def mask_placeholder(device: torch.device) -> torch.Tensor:
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
+def peft_adapter_loaded(model: torch.nn.Module) -> bool:
+    """Whether transformers counts ``model`` as carrying a peft adapter (``model._hf_peft_config_loaded``)."""
+    return bool(getattr(model, _PEFT_FLAG, False))
+
+
+def set_peft_adapter_loaded(model: torch.nn.Module, loaded: bool) -> None:
+    """Set ``model._hf_peft_config_loaded`` (False: ``save_pretrained`` writes the full model)."""
+    setattr(model, _PEFT_FLAG, loaded)
+
+
+def compile_on_every_device(compile_config):
+    """``compile_config`` with ``_compile_all_devices`` set: ``generate`` compiles on CPU too."""
+    setattr(compile_config, _COMPILE_ALL, True)
+    return compile_config
+
+
+def mark_fsdp_managed(model: torch.nn.Module) -> None:
+    """Mark ``model`` as FSDP-managed for ``generate`` (``model._is_fsdp_managed_module``): it then keeps
+    every rank stepping until all ranks' sequences are done (synced_gpus), since each step all-gathers
+    the sharded weights."""
+    setattr(model, _FSDP_FLAG, True)
+
+
+def check_flags() -> None:
+    """Raise :class:`TransformersInternalsChanged`, naming the flag, if transformers no longer has or reads
+    one of the private flags of the module docstring (5-7)."""
+    from transformers import CompileConfig, PreTrainedModel
+    from transformers.integrations import fsdp
+
+    if not hasattr(PreTrainedModel, _PEFT_FLAG):
+        raise _changed(f"PreTrainedModel.{_PEFT_FLAG}", "the model class no longer has the flag")
+    if not hasattr(CompileConfig(), _COMPILE_ALL):
+        raise _changed(f"CompileConfig.{_COMPILE_ALL}", "the compile config no longer has the flag")
+    probe = torch.nn.Module()
+    if fsdp.is_fsdp_managed_module(probe):
+        raise _changed(f"module.{_FSDP_FLAG}", "a plain module counts as FSDP-managed")
+    mark_fsdp_managed(probe)
+    if torch.distributed.is_available() and not fsdp.is_fsdp_managed_module(probe):
+        raise _changed(f"module.{_FSDP_FLAG}", "is_fsdp_managed_module no longer reads it")
+
+
 @torch.no_grad()
 def check() -> None:
     """Raise :class:`TransformersInternalsChanged`, naming the internal, if the installed transformers
     no longer behaves as the module docstring lists: a 1-layer Llama decoder runs with an attention
-    function set through :func:`use_attention` and gets :func:`mask_placeholder` as its mask."""
+    function set through :func:`use_attention` and gets :func:`mask_placeholder` as its mask; and the
+    private flags are there (:func:`check_flags`)."""
     from transformers import LlamaConfig, LlamaModel
 
+    check_flags()
     config = LlamaConfig(
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, attn_implementation="sdpa",

@@ -28,6 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from alignlit.models.hf_internals import peft_adapter_loaded, set_peft_adapter_loaded
+from alignlit.models.state_dict import full_state_dict
+
 ADAPTER = "default"
 """Name of the one adapter a stage trains."""
 
@@ -113,7 +116,7 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` (a Hugging Face model or a ScalarHeadModel) carries a LoRA adapter."""
-    return bool(getattr(_hf(model), "_hf_peft_config_loaded", False)) and bool(lora_layers(model))
+    return peft_adapter_loaded(_hf(model)) and bool(lora_layers(model))
 
 
 def _check_targets(hf: nn.Module, lora: LoRA) -> None:
@@ -321,16 +324,11 @@ def merged_state_dict(
     Args:
         model: a Hugging Face model (or ScalarHeadModel) with a LoRA adapter.
         state: its full state dict when it is sharded (gathered with
-            :func:`alignlit.strategies.full_state_dict`); default ``model.state_dict()`` (whose
+            :func:`alignlit.models.state_dict.full_state_dict`); default ``model.state_dict()`` (whose
             DTensor shards are gathered here, a collective every rank must join).
     """
     hf = _hf(model)
-    if state is None:
-        state = {}
-        for key, value in hf.state_dict().items():
-            state[key] = value.full_tensor() if hasattr(value, "full_tensor") else value
-    else:
-        state = dict(state)
+    state = full_state_dict(hf, None) if state is None else dict(state)
     if state and all(k.startswith("hf_model.") for k in state):
         state = {k.removeprefix("hf_model."): v for k, v in state.items()}
     for name, layer in lora_layers(hf):
@@ -355,12 +353,12 @@ def merged_state_dict(
 @contextmanager
 def _as_plain_model(hf: nn.Module) -> Iterator[None]:
     """Let ``save_pretrained`` write the full model (not the adapter alone) for the block."""
-    flag = hf._hf_peft_config_loaded
-    hf._hf_peft_config_loaded = False
+    flag = peft_adapter_loaded(hf)
+    set_peft_adapter_loaded(hf, False)
     try:
         yield
     finally:
-        hf._hf_peft_config_loaded = flag
+        set_peft_adapter_loaded(hf, flag)
 
 
 def save_lora_model(
@@ -431,7 +429,7 @@ def load_adapter_export(path: str | Path, base_model: nn.Module) -> nn.Module:
     """``base_model`` with the adapter at ``path`` loaded and merged into its weights (a plain model)."""
     peft = _peft()
     merged = peft.PeftModel.from_pretrained(base_model, str(path)).merge_and_unload()
-    merged._hf_peft_config_loaded = False
+    set_peft_adapter_loaded(merged, False)
     return merged
 
 

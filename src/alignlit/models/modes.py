@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from alignlit.lightning_internals import is_dropout
+
 
 def compile_decoder(model: nn.Module, **options) -> nn.Module:
     """``torch.compile`` the decoder of a causal LM or scalar-head model in place; returns ``model``.
@@ -47,7 +49,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     """
     config = getattr(model, "config", None)
     for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
+        if is_dropout(module):
             module.p = 0.0
         for name in DROPOUT_ATTRIBUTES:
             if isinstance(getattr(module, name, None), float):

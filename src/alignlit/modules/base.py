@@ -15,6 +15,7 @@ import torch
 
 from alignlit.checks import validate_optimizer_args
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer, finish_epoch_in_checkpoint
 from alignlit.models.export import export_pretrained
 from alignlit.models.loading import DTYPES, enable_gradient_checkpointing, load_policy, model_source
 from alignlit.models.lora import AdapterDisabled, LoRA, apply_lora
@@ -148,46 +149,6 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def finish_epoch_in_checkpoint(checkpoint: dict[str, Any]) -> bool:
-    """Make a checkpoint written after the last batch of an epoch resume at the start of the next one.
-
-    Lightning 2.6 writes ``every_n_train_steps`` checkpoints in ``on_train_batch_end``, before it marks
-    the batch completed and the epoch processed. Resumed from one written at the *last* batch of epoch
-    ``e``, its fit loop counts that epoch as finished twice and continues in epoch ``e + 2``: a whole
-    epoch is never trained, silently (with ``max_steps`` the same happens even from its own
-    end-of-epoch checkpoints). This rewrites the loop state to the one Lightning has at the start of
-    epoch ``e + 1`` (the epoch ready, not started; a fresh batch count; the step counted; no loader
-    position, so the loader starts the new epoch's order), from which it resumes correctly. The
-    end-of-epoch validation of epoch ``e``, which ran after the checkpoint was written, is not
-    repeated. Returns whether the checkpoint was rewritten.
-    """
-    loop = checkpoint.get("loops", {}).get("fit_loop")
-    if not loop or "epoch_loop.batch_progress" not in loop or "epoch_progress" not in loop:
-        return False
-    batches, epochs = loop["epoch_loop.batch_progress"], loop["epoch_progress"]
-    total, done = batches["total"], epochs["total"]
-    after_batch_end = total["started"] == total["processed"] in (total["completed"], total["completed"] + 1)
-    epoch_open = done["ready"] == done["started"] == done["completed"] + 1 and done["processed"] in (
-        done["completed"],
-        done["completed"] + 1,
-    )
-    if not (batches.get("is_last_batch") and after_batch_end and epoch_open):
-        return False
-    if total["completed"] < total["processed"]:  # written in on_train_batch_end: count the batch
-        total["completed"] += 1
-        loop["epoch_loop.state_dict"]["_batches_that_stepped"] += 1
-    batches["current"] = {key: 0 for key in batches["current"]}
-    batches["is_last_batch"] = False
-    for part in ("total", "current"):  # epoch e processed and completed, e + 1 ready
-        epochs[part].update(started=epochs[part]["ready"], processed=epochs[part]["ready"])
-        epochs[part].update(completed=epochs[part]["ready"], ready=epochs[part]["ready"] + 1)
-    for key in ("epoch_loop.scheduler_progress", "epoch_loop.val_loop.batch_progress"):
-        if key in loop:
-            loop[key]["current"] = {k: 0 for k in loop[key]["current"]}
-    loop.setdefault("state_dict", {})["combined_loader"] = []
-    return True
-
-
 class AlignModule(L.LightningModule):
     """Base of every alignlit stage.
 
@@ -252,12 +213,12 @@ class AlignModule(L.LightningModule):
 
     def export(self, out_dir: str | Path, *, state_dict: dict[str, Any] | None = None) -> Path:
         """Write this stage's result to ``out_dir`` (see :func:`alignlit.models.export_pretrained`)."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(self.trainer, "datamodule", None) if attached_trainer(self) is not None else None
         data = _plain(dict(dm.hparams)) if dm is not None else {}
         if dm is not None:
             data["class"] = type(dm).__name__
         config = self.cli_config or {"model": {"class": type(self).__name__, **_plain(dict(self.hparams))}}
-        metrics = self.export_metrics() if self._trainer is not None else {}
+        metrics = self.export_metrics() if attached_trainer(self) is not None else {}
         return export_pretrained(
             self.export_model(),
             self.tokenizer,
@@ -360,7 +321,7 @@ class AlignModule(L.LightningModule):
         (:func:`finish_epoch_in_checkpoint`). Subclasses call it first."""
         from alignlit.checkpoint_io import check_checkpoint_module
 
-        path = self._trainer.ckpt_path if self._trainer is not None else None
+        path = attached_trainer(self).ckpt_path if attached_trainer(self) is not None else None
         check_checkpoint_module(checkpoint, type(self), path or "being loaded")
         if finish_epoch_in_checkpoint(checkpoint):
             print(
@@ -374,14 +335,14 @@ class AlignModule(L.LightningModule):
         the run naming the step. One of the same class in the trainer's callbacks is kept instead."""
         from alignlit.callbacks import default_callbacks
 
-        return default_callbacks(self._trainer)
+        return default_callbacks(attached_trainer(self))
 
     def export_from_every_rank(self, out_dir: str | Path) -> Path | None:
         """:meth:`export` called on every rank: a sharded model's full state is gathered on every rank and
         written by rank 0 (its path returned; None on the other ranks), then the ranks wait for it."""
         state = None
         if self.device_mesh is not None:
-            from alignlit.strategies import full_state_dict
+            from alignlit.models.state_dict import full_state_dict
 
             model = self.export_model()
             state = full_state_dict(getattr(model, "hf_model", model))  # the names save_pretrained writes

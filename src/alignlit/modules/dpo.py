@@ -11,6 +11,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses import PreferenceLoss
 from alignlit.models.loading import check_dtype, load_policy, resolve_source
 from alignlit.models.lora import LoRA
@@ -145,7 +146,7 @@ class DPOModule(AlignModule):
             return
         if self.reference_cache is not None:
             return
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         datamodule = datamodule or (getattr(trainer, "datamodule", None) if trainer is not None else None)
         if datamodule is None:
             raise ValueError("precompute_reference needs a datamodule; or set precompute_reference: false")

@@ -26,6 +26,7 @@ import torch
 
 from alignlit.data.sampler import data_parallel_rank, scheduled_batch
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
@@ -50,7 +51,7 @@ from alignlit.rollout.base import Experience, SamplingParams
 from alignlit.rollout.collector import Collector, check_collection
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward, RewardFn
+from alignlit.rollout.reward_protocol import Reward, RewardFn
 
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
@@ -66,7 +67,7 @@ class OnlineModule(AlignModule):
     Args:
         policy: causal-LM directory (e.g. the SFT export), or a :class:`~alignlit.models.TinyLlama` spec.
         reward: a reward-model directory (frozen), the dotted path of a reward function, or any reward
-            object/callable (:mod:`alignlit.rollout.reward`; e.g. :class:`~alignlit.sim.SimGoldReward`).
+            object/callable (:mod:`alignlit.rollout.reward_protocol`; e.g. :class:`~alignlit.sim.SimGoldReward`).
         reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
             ``lora``, the policy's base with the adapter disabled, no second copy).
         rollout: how samples are collected (engine, sampling, samples per prompt, seed; ``RolloutLoop()``).
@@ -246,17 +247,17 @@ class OnlineModule(AlignModule):
         return [*super().configure_callbacks(), self._phase]
 
     def setup(self, stage: str) -> None:
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = self.trainer.world_size if attached_trainer(self) is not None else 1
         self.collector.check_world(world)
         self.rollout.setup(
             self.policy, self.tokenizer, policy_dir=self._policy_dir, world_size=world,
-            data_parallel=data_parallel_rank(self._trainer) if world > 1 else None,
+            data_parallel=data_parallel_rank(attached_trainer(self)) if world > 1 else None,
         )  # fmt: skip
         self.setup_ptx()
 
     def setup_ptx(self) -> None:
         """Read and encode the ptx data (once), as :class:`~alignlit.data.SFTDataModule` does."""
-        self.ptx_mixer.setup(self._tokenizer_dir, self._trainer)
+        self.ptx_mixer.setup(self._tokenizer_dir, attached_trainer(self))
 
     def on_fit_start(self) -> None:
         dm = self.trainer.datamodule
@@ -364,7 +365,7 @@ class OnlineModule(AlignModule):
     def trainable(self, trajectory: Trajectory) -> Trajectory:
         """The samples to update on: those with a loss token; with several ranks all of them (masked),
         so that every rank takes as many optimiser steps."""
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             return trajectory
         return trajectory.with_loss_tokens()
 

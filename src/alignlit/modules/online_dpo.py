@@ -20,13 +20,14 @@ from alignlit.data.preference import PairEncoder, PairExample, collate_preferenc
 from alignlit.data.processing import Pair
 from alignlit.data.records import read_records
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses import PreferenceLoss
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.preference_objective import PreferenceObjective
 from alignlit.modules.trajectory import Minibatches, Trajectory
-from alignlit.rollout.reward import Reward
+from alignlit.rollout.reward_protocol import Reward
 
 LengthUnit = Literal["tokens", "characters"]
 
@@ -36,7 +37,7 @@ class OnlineDPOModule(OnlineModule):
 
     Iteration ``t`` samples ``rollout.samples_per_prompt = n >= 2`` responses for each prompt of the
     DataModule's next batch, scores them with the reward (a reward-model directory, any reward callable,
-    or a preference model through :class:`PreferenceRanking`), optionally length-penalised
+    or a preference model through :class:`~alignlit.rewards.PreferenceRanking`), optionally length-penalised
     ``r - λ|y|`` (RLHF-Workflow eq. 8), and pairs the best of ``n`` with the worst of ``n``
     (:func:`~alignlit.data.best_worst_pairs`; pairs of identical responses and pairs whose penalised
     gap is ``<= min_gap`` are dropped and counted). The policy, continuing from the last iterate, then
@@ -54,7 +55,7 @@ class OnlineDPOModule(OnlineModule):
 
     Args:
         policy: see :class:`~alignlit.modules.online.OnlineModule`.
-        reward: see :class:`~alignlit.modules.online.OnlineModule`; or a :class:`PreferenceRanking`.
+        reward: see :class:`~alignlit.modules.online.OnlineModule`; or a :class:`~alignlit.rewards.PreferenceRanking`.
         loss_type: a registered preference loss (``dpo``, ``ipo``, ``hinge``, ``simpo``, ``slic``), a
             dotted path or a ``class_path`` (see :class:`~alignlit.modules.DPOModule`).
         loss_args: hyperparameters of a registered loss (dpo: ``{beta: 0.1, label_smoothing: 0.0}``).
@@ -177,7 +178,7 @@ class OnlineDPOModule(OnlineModule):
     # ------------------------------------------------------------------ setup and state
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             raise ValueError(
                 f"online DPO runs in a single process: the {self.trainer.world_size} ranks would keep different "
                 "numbers of pairs and take different numbers of optimizer steps"
@@ -216,14 +217,14 @@ class OnlineDPOModule(OnlineModule):
     def data_path(self, t: int) -> Path | None:
         """Where iteration ``t``'s files go (None: no trainer and no ``data_dir``, nothing is written)."""
         root = self.data_dir
-        if root is None and self._trainer is not None:
+        if root is None and attached_trainer(self) is not None:
             root = str(Path(self.trainer.log_dir or self.trainer.default_root_dir) / f"{self.stage}_data")
         return None if root is None else Path(root) / f"iter_{t:04d}"
 
     def write_iteration(self, t: int, trajectory: Trajectory, pairs: list[dict]) -> None:
         """Write iteration ``t``'s ranked samples and pairs as JSONL, atomically."""
         path = self.data_path(t)
-        if path is None or (self._trainer is not None and not self.trainer.is_global_zero):
+        if path is None or (attached_trainer(self) is not None and not self.trainer.is_global_zero):
             return
         rollout, n = trajectory, trajectory.n
         tokens, scores = trajectory.action_mask.sum(-1).tolist(), trajectory.scores.tolist()

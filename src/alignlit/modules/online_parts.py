@@ -31,7 +31,7 @@ from alignlit.modules.trajectory_maker import TrajectoryMaker
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.loop import RolloutLoop
-from alignlit.rollout.reward import Reward, RewardFn, resolve_reward, score_rollout
+from alignlit.rollout.reward_protocol import Reward, RewardFn, resolve_reward, score_rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +321,7 @@ def load_online_models(
     reward_batch_size: int,
 ) -> OnlineModels:
     """The trained policy, its frozen reference (:func:`~alignlit.modules.base.load_policy_and_reference`)
-    and the reward (:func:`~alignlit.rollout.reward.resolve_reward`; a reward model by hub id is fetched)."""
+    and the reward (:func:`~alignlit.rollout.reward_protocol.resolve_reward`; a reward model by hub id is fetched)."""
     model, tokenizer, ref = load_policy_and_reference(
         module, policy, reference, copy_policy=True, dtype=dtype, frozen_dtype=frozen_dtype,
         gradient_checkpointing=gradient_checkpointing,

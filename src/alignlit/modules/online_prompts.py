@@ -13,7 +13,7 @@ from typing import Any
 from alignlit.rollout.base import SamplingParams
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.prompt_filter import PromptFilter
-from alignlit.rollout.reward import Reward
+from alignlit.rollout.reward_protocol import Reward
 
 
 class TrainingPrompts:

@@ -13,6 +13,7 @@ import torch
 from alignlit.data.encoding import Encoded, Truncation, pad_left, pad_right
 from alignlit.data.records import read_records
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses import rrhf_loss
 from alignlit.models.forward import token_logprobs
 from alignlit.models.tiny import TinyLlama
@@ -20,7 +21,7 @@ from alignlit.modules.online import OnlineModule
 from alignlit.modules.online_parts import mean_metrics
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.ops import kl_estimate
-from alignlit.rollout.reward import Reward, score_texts
+from alignlit.rollout.reward_protocol import Reward, score_texts
 
 
 def read_extra_responses(path: str) -> dict[str, list[str]]:
@@ -134,7 +135,7 @@ class OnlineRRHFModule(OnlineModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             raise ValueError("online RRHF runs in a single process")
 
     # ------------------------------------------------------------------ the set of one resample

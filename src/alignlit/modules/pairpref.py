@@ -9,11 +9,12 @@ from alignlit.data.args import resolve_seed
 from alignlit.data.preference import PreferenceBatch
 from alignlit.data.sampler import data_parallel_rank
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses.lm import masked_nll
 from alignlit.losses.preference import ab_order_averaged_probability, ab_preference_loss
 from alignlit.models.loading import load_policy
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits
+from alignlit.models.reward_model import AB_FORMAT_KEY, ABFormat, ab_logits, next_token_logits
 from alignlit.models.tiny import TinyLlama
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
@@ -104,7 +105,7 @@ class PairwisePrefModule(AlignModule):
         the order one process would show it."""
         if not self.hparams.randomize_order:
             return torch.ones(n, dtype=torch.bool)
-        rank, world = data_parallel_rank(self._trainer)
+        rank, world = data_parallel_rank(attached_trainer(self))
         g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
         return (torch.rand(n * world, generator=g) < 0.5)[rank::world]
 

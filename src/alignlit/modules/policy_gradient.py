@@ -40,7 +40,7 @@ from alignlit.ops import (
     token_advantages,
 )
 from alignlit.ops.kl import KLKind
-from alignlit.rollout.reward import Reward
+from alignlit.rollout.reward_protocol import Reward
 
 __all__ = ["PolicyGradientModule"]
 

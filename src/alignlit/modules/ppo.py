@@ -37,7 +37,7 @@ from alignlit.ops import (
     token_advantages,
     whiten,
 )
-from alignlit.rollout.reward import Reward, score_rollout
+from alignlit.rollout.reward_protocol import Reward, score_rollout
 
 AdvantageNorm = Literal["none", "batch", "minibatch"]
 BASELINE_SEED_OFFSET = 1_000_003

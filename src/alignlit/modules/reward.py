@@ -13,12 +13,13 @@ from torchmetrics import CatMetric, MeanMetric, PearsonCorrCoef
 
 from alignlit.data.preference import PreferenceBatch
 from alignlit.hub import Pretrained
+from alignlit.lightning_internals import attached_trainer
 from alignlit.losses.lm import masked_nll, shift_for_next_token
 from alignlit.losses.preference import reward_model_loss
 from alignlit.models.forward import sequence_scores
 from alignlit.models.loading import last_token_index, load_scalar_model, model_source
 from alignlit.models.lora import LoRA
-from alignlit.models.reward import REWARD_FORMAT_KEY, end_with_eos, reward_format
+from alignlit.models.reward_model import REWARD_FORMAT_KEY, end_with_eos, reward_format
 from alignlit.modules.base import AlignModule, Optim, check_finite
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,12 @@ class RewardModule(AlignModule):
 
     def export(self, out_dir, *, state_dict=None):
         """The reward model's export, its ``config.json`` saying how it scores
-        (:func:`~alignlit.models.reward.reward_format`: layout, lengths, truncation)."""
-        hp = getattr(getattr(self._trainer, "datamodule", None), "hparams", {}) if self._trainer else {}
+        (:func:`~alignlit.models.reward_model.reward_format`: layout, lengths, truncation)."""
+        hp = (
+            getattr(getattr(attached_trainer(self), "datamodule", None), "hparams", {})
+            if attached_trainer(self)
+            else {}
+        )
         fmt = reward_format(
             self.tokenizer, max_length=hp.get("max_length"), max_prompt_length=hp.get("max_prompt_length")
         )
@@ -177,7 +182,7 @@ class RewardModule(AlignModule):
     def scores_and_lm_loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(2B,) scores of the stacked chosen/rejected rows, and the LM imitation NLL of the chosen
         responses (None without the LM head). A row whose response was cut at ``max_length`` ends with
-        the end token all the same (:func:`~alignlit.models.reward.end_with_eos`), as in scoring."""
+        the end token all the same (:func:`~alignlit.models.reward_model.end_with_eos`), as in scoring."""
         eos = self.tokenizer.eos_token_id
         batch = dataclasses.replace(batch, input_ids=end_with_eos(batch.input_ids, batch.attention_mask, eos))
         if self.lm_head is None:

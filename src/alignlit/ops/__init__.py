@@ -23,7 +23,7 @@ from alignlit.ops.kl import (
 )
 from alignlit.ops.logprobs import entropy_from_logits, gather_logprobs, sequence_logprobs
 from alignlit.ops.mismatch import logprob_mismatch, truncated_is_weights
-from alignlit.ops.rewards import (
+from alignlit.ops.reward_shaping import (
     RewardNorm,
     explained_variance,
     kl_penalized_rewards,

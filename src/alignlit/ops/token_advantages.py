@@ -22,7 +22,7 @@ from alignlit.ops.advantages import (
     register_token_advantage,
 )
 from alignlit.ops.gae import gae
-from alignlit.ops.rewards import kl_penalized_rewards
+from alignlit.ops.reward_shaping import kl_penalized_rewards
 from alignlit.ops.stats import AllReduce, check_ndim, check_same_shape, whiten
 
 

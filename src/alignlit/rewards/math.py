@@ -76,7 +76,7 @@ class MathVerifyReward:
     (see the module docstring), else 0.0; plus ``format_weight`` when it ends in the expected form.
 
     The gold of each row is, in this order: ``answer[i]`` (the prompts' ``answer`` column, passed by
-    :func:`~alignlit.rollout.reward.score_texts` when the prompts carry it: the reference travels with the
+    :func:`~alignlit.rollout.reward_protocol.score_texts` when the prompts carry it: the reference travels with the
     prompt), else the gold of the prompt's text in ``answers_file`` / ``answers``.
 
     Args:

@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from alignlit.sim.reward import load_sim
+from alignlit.sim.data import load_sim
 
 MODES = ("strict", "flexible")
 

@@ -22,8 +22,7 @@ from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.loop import RolloutLoop
 from alignlit.rollout.parity import ParityError, check_parity, logprob_parity
 from alignlit.rollout.prompt_filter import PromptFilter, reward_variance
-from alignlit.rollout.reward import (
-    PreferenceRanking,
+from alignlit.rollout.reward_protocol import (
     Reward,
     RewardFn,
     RewardModel,
@@ -46,7 +45,6 @@ __all__ = [
     "HFEngineOptions",
     "JSONToolParser",
     "ParityError",
-    "PreferenceRanking",
     "PromptFilter",
     "Reward",
     "RewardFn",

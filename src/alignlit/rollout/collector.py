@@ -28,7 +28,7 @@ from alignlit.ops import (
 )
 from alignlit.rollout.base import Experience, Rollout, RolloutEngine, select_groups
 from alignlit.rollout.loop import RolloutLoop
-from alignlit.rollout.reward import Reward
+from alignlit.rollout.reward_protocol import Reward
 
 
 def sample_metrics(rollout: Rollout, scores: torch.Tensor) -> dict[str, float]:
@@ -76,7 +76,7 @@ class Collector:
 
     Args:
         loop: the rollout loop (engine, sampling, samples per prompt, seed).
-        reward: what scores the samples (:mod:`alignlit.rollout.reward`).
+        reward: what scores the samples (:mod:`alignlit.rollout.reward_protocol`).
         pad_id: the tokenizer's pad id (kept groups of several rollouts are padded to one width).
         overlong: DAPO's filtering of, or penalty on, responses cut at the token limit (the penalty is
             applied here; the filter is the loss mask's, :class:`~alignlit.modules.trajectory_maker.TrajectoryMaker`).

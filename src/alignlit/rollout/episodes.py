@@ -38,7 +38,7 @@ import torch
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.environment import Environment, as_step, spawn
 from alignlit.rollout.postprocess import check_prompts, pad_prompt_ids, require_pad_token
-from alignlit.rollout.reward import resolve_reward, score_rollout
+from alignlit.rollout.reward_protocol import resolve_reward, score_rollout
 
 TURN_SEED_STRIDE = 104_729
 """Turn ``t`` of an episode batch is sampled with seed ``base + t * TURN_SEED_STRIDE``."""
@@ -282,7 +282,7 @@ class EpisodeReturn:
     (:class:`~alignlit.rollout.RolloutLoop` refuses another reward, which would ignore the environment).
 
     Args:
-        reward: an extra reward of the transcript (any :data:`~alignlit.rollout.reward.Reward`); None: none.
+        reward: an extra reward of the transcript (any :data:`~alignlit.rollout.reward_protocol.Reward`); None: none.
         coef: its weight.
     """
 

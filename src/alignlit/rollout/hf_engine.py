@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation import CompileConfig
 
+from alignlit.models.hf_internals import compile_on_every_device
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.postprocess import (
     RawSample,
@@ -207,7 +208,7 @@ class HFEngine:
             common["cache_implementation"] = "static"
         if self.compile:
             compile_config = CompileConfig(fullgraph=False, dynamic=None)
-            compile_config._compile_all_devices = True  # transformers compiles on accelerators only otherwise
+            compile_on_every_device(compile_config)  # transformers compiles on accelerators only otherwise
             common["compile_config"] = compile_config
         else:
             common["disable_compile"] = True

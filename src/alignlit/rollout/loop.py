@@ -24,13 +24,14 @@ from typing import Any, Literal
 import torch
 
 from alignlit.data.args import resolve_seed
+from alignlit.models.state_dict import full_state_dict
 from alignlit.rollout.base import Experience, Rollout, RolloutEngine, SamplingParams
 from alignlit.rollout.environment import Environment
 from alignlit.rollout.episodes import EpisodeReturn, run_episodes
 from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.parity import check_parity
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
-from alignlit.rollout.reward import Reward, reward_counters, score_rollout
+from alignlit.rollout.reward_protocol import Reward, reward_counters, score_rollout
 
 
 class RolloutLoop:
@@ -292,9 +293,7 @@ class RolloutLoop:
 
     def snapshot(self, version: int) -> WeightSnapshot:
         """A copy of the policy's current full state dict on the CPU (LoRA merged), as ``version``."""
-        from alignlit.rollout.vllm_engine import VLLMEngine
-
-        state = VLLMEngine.gather_state_dict(self.policy, "cpu")
+        state = full_state_dict(self.policy, "cpu", merge_lora=True)
         return WeightSnapshot(version, {k: v.clone() for k, v in state.items()})
 
     def stop_pipeline(self) -> None:
@@ -420,7 +419,7 @@ class RolloutLoop:
         engine: RolloutEngine | None = None,
     ) -> Experience:
         """One rollout on ``prompts`` from the policy at ``version``, scored by ``reward``
-        (see :func:`~alignlit.rollout.reward.score_rollout`); a training rollout unless ``sampling`` is given.
+        (see :func:`~alignlit.rollout.reward_protocol.score_rollout`); a training rollout unless ``sampling`` is given.
         ``engine``: see :meth:`generate`. The experience carries the metrics of its making and scoring."""
         if self.environment is not None and not isinstance(reward, EpisodeReturn):
             raise ValueError(

@@ -14,7 +14,7 @@ import torch
 
 from alignlit.data.args import resolve_seed
 from alignlit.rollout.base import Rollout, SamplingParams
-from alignlit.rollout.reward import Reward, score_rollout
+from alignlit.rollout.reward_protocol import Reward, score_rollout
 
 Generate = Callable[[Sequence[str], int, SamplingParams], Rollout]
 """``generate(prompts, n, sampling) -> Rollout``: an engine's ``generate`` or the rollout loop's."""

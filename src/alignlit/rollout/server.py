@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from alignlit.models.state_dict import full_state_dict
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.endpoint import EngineError, EngineHTTP, parse_generated
 from alignlit.rollout.engine_auth import resolve_api_key
@@ -284,11 +285,9 @@ class ServedVLLMEngine:
     def sync(self, policy: torch.nn.Module, *, version: int) -> None:
         """Push ``policy``'s current weights as ``version`` to every engine (a collective of the training ranks:
         sharded weights are gathered by all of them, rank 0 pushes, every rank checks the engines' label)."""
-        from alignlit.rollout.vllm_engine import VLLMEngine
-
         self.connect()
         sharded = any(type(p).__name__ == "DTensor" for p in policy.parameters())
-        state = VLLMEngine.gather_state_dict(policy, "cpu") if (sharded or self.rank == 0) else None
+        state = full_state_dict(policy, "cpu", merge_lora=True) if (sharded or self.rank == 0) else None
         self._push(version, state)
 
     def load_weights(self, version: int, state: dict[str, torch.Tensor] | None) -> None:

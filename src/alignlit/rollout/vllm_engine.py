@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from alignlit.models.lora import has_lora, merged_state_dict
+from alignlit.models.lora import has_lora
+from alignlit.models.state_dict import full_state_dict
 from alignlit.rollout.base import Rollout, SamplingParams
 from alignlit.rollout.postprocess import (
     RawSample,
@@ -307,19 +308,6 @@ class VLLMEngine:
             eos_ids=self._eos_ids,
         )
 
-    @staticmethod
-    def gather_state_dict(policy: torch.nn.Module, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The policy's full state dict on ``device``; DTensor shards are gathered (collective). A LoRA
-        policy's adapter is merged into its weights, under the base model's (the checkpoint's) names."""
-        if has_lora(policy):
-            return {k: v.detach().to(device) for k, v in merged_state_dict(policy).items()}
-        state = {}
-        for name, tensor in policy.state_dict().items():
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            state[name] = tensor.detach().to(device)
-        return state
-
     def sync(self, policy: torch.nn.Module, *, force: bool = False) -> None:
         """Load ``policy``'s current weights into the engine (every ``sync_every``-th call, or ``force``).
 
@@ -347,13 +335,13 @@ class VLLMEngine:
         # On CUDA the tensors stay on the GPU: the in-process reload copies device to device.
         # Only the CPU path is exercised by the test suite (vLLM's CPU build).
         device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-        state = self.gather_state_dict(policy, device)  # sharded: a collective of every rank, once
+        state = full_state_dict(policy, device, merge_lora=True)  # sharded: a collective of every rank, once
         if _rank() != 0:
             return
         self.load_state(state)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (the checkpoint's names, e.g. :meth:`gather_state_dict`'s) into the live
+        """Load a full state dict (the checkpoint's names, e.g. :func:`~alignlit.models.state_dict.full_state_dict`'s) into the live
         engine and clear its prefix cache; rank 0 only. Asynchronous rollouts call it from their producer
         thread with the snapshot of a pinned policy version."""
         llm = self._require_llm()

@@ -26,10 +26,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from alignlit.rollout.engine_auth import API_KEY_ENV, key_proof
 from alignlit.rollout.hf_worker import WeightSyncError
+from alignlit.rollout.vllm_internals import register_weight_transfer_backend
 from alignlit.rollout.weight_sync import WirePlan, checksum_terms, combine, open_group, receive_buckets
 
 RECEIVED: dict[str, int | None] = {"checksum": None}
@@ -133,8 +133,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group = None
 
 
-if "gloo" not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+register_weight_transfer_backend("gloo", GlooWeightTransferEngine)
 
 
 class AlignlitWorkerExtension:

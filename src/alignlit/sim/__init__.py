@@ -9,11 +9,10 @@ preference labels), ``make_data`` (JSONL files in the formats real data uses), `
 """
 
 from alignlit.sim.annotator import Annotator
-from alignlit.sim.data import make_data
+from alignlit.sim.data import load_sim, make_data, write_tokenizer
+from alignlit.sim.gold import SimGoldReward
 from alignlit.sim.multiturn import SimEpisodeGold, SimHintEnvironment
-from alignlit.sim.reward import SimGoldReward, load_sim
 from alignlit.sim.task import SimTask
-from alignlit.sim.tokenizer import write_tokenizer
 
 __all__ = [
     "Annotator",

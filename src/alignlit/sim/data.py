@@ -31,11 +31,26 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from alignlit.data.records import read_records
+from alignlit.data.tokenizer import train_bpe_tokenizer
 from alignlit.sim.annotator import Annotator
 from alignlit.sim.task import DEMO_KINDS, SimTask, num_words
 
 MANIFEST = "manifest.json"
 MAX_PAIR_ATTEMPTS = 100
+
+
+def load_sim(sim_dir: str | Path) -> tuple[SimTask, dict]:
+    """The :class:`~alignlit.sim.SimTask` and manifest of a ``alignlit sim make-data`` directory."""
+    manifest_path = Path(sim_dir) / MANIFEST
+    if not manifest_path.exists():
+        raise FileNotFoundError(
+            f"{manifest_path} not found: run `alignlit sim make-data --out {sim_dir}` first"
+        )
+    manifest = json.loads(manifest_path.read_text())
+    task_args = dict(manifest["task"])
+    task_args["ops"] = tuple(task_args["ops"])
+    return SimTask(**task_args), manifest
 
 
 def two_demonstrations(task, prompt: str, rng: random.Random) -> tuple[str, str]:
@@ -224,3 +239,16 @@ def make_data(
     }
     _write_atomic(out / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def write_tokenizer(out_dir: str, *, vocab_size: int) -> None:
+    """Train the tokenizer of the task's tiny policies on the SFT, pair and prompt text under ``out_dir``
+    (written to ``out_dir/tokenizer``)."""
+    texts = [
+        value
+        for f in sorted(Path(out_dir).glob("*_train.jsonl"))
+        for record in read_records(f)
+        for value in record.fields.values()
+        if isinstance(value, str)
+    ]
+    train_bpe_tokenizer(texts, vocab_size=vocab_size, out_dir=Path(out_dir) / "tokenizer")

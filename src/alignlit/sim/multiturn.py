@@ -39,8 +39,7 @@ from typing import Literal
 import torch
 
 from alignlit.data.records import read_records
-from alignlit.sim.data import file_name, write_jsonl
-from alignlit.sim.reward import load_sim
+from alignlit.sim.data import file_name, load_sim, write_jsonl
 from alignlit.sim.task import ASSISTANT, HUMAN, VERBOSE_SUFFIXES, SimTask, edit_distance, format_response
 
 HINTS = {

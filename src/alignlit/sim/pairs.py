@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from alignlit.sim.annotator import Annotator
-from alignlit.sim.data import _mean, two_demonstrations, write_jsonl
-from alignlit.sim.reward import load_sim
+from alignlit.sim.data import _mean, load_sim, two_demonstrations, write_jsonl
 from alignlit.sim.task import SimTask, num_words, split_of
 
 EXTRA_PAIRS = "pairs_extra_train.jsonl"
