@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ class FakeEngine:
     def __init__(self, tokenizer, delay: float = 0.0):
         self.tokenizer, self.version, self.delay = tokenizer, None, delay
 
-    prompts: dict[tuple[int, ...], int] = {}
+    prompts: ClassVar[dict[tuple[int, ...], int]] = {}
     """Prompt ids -> target length, of every engine (a resumed one continues prompts it never saw)."""
 
     def load(self, snapshot: WeightSnapshot) -> None:

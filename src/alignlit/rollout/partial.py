@@ -298,7 +298,9 @@ class SegmentedPipeline:
             while index not in self.results:
                 self._raise_if_failed()
                 if index not in self.batches:
-                    raise RuntimeError(f"batch {index} was submitted but is neither generated nor in progress")
+                    raise RuntimeError(
+                        f"batch {index} was submitted but is neither generated nor in progress"
+                    )
                 if not self._thread.is_alive():
                     raise RuntimeError("the rollout producer thread is gone")
                 if not self._cond.wait(timeout=5.0) and time.perf_counter() - start > self.timeout_s:
