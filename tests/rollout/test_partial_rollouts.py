@@ -258,3 +258,37 @@ def snapshot_model(policy_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+
+
+def test_the_rollout_correction_weighs_each_token_against_its_own_behaviour_log_prob(tokenizer):
+    """A partial rollout's tokens carry the log-probs of different versions: TIS's weight of every token is
+    min(exp(π_old - μ_t), cap) with that token's μ_t (computed here from a separate forward), not one
+    sample-level μ."""
+    from alignlit.models import make_tiny_llama
+    from alignlit.models.forward import response_logprobs
+    from alignlit.modules.trajectory_maker import TrajectoryMaker, resolve_correction
+    from alignlit.rollout import HFEngine
+    from alignlit.rollout.base import Experience
+    from tests.conftest import TINY
+
+    policy = make_tiny_llama(tokenizer, seed=0, **TINY)
+    rollout = HFEngine(tokenizer, policy).generate(
+        ["a b", "c d e"], 2, SamplingParams(max_new_tokens=6, seed=1)
+    )
+    mask = rollout.response_mask
+    rollout.token_versions = (torch.arange(mask.shape[1]) // 2).expand_as(mask) * mask  # segments of 2
+    rollout.logprobs = (rollout.logprobs - 0.3 * rollout.token_versions) * mask  # μ_t of older weights
+    maker = TrajectoryMaker(
+        policy,
+        policy,
+        temperature=1.0,
+        task_rewards=lambda r, s: s,
+        correction=resolve_correction(2.0, None, None, "recompute"),
+    )
+    experience = Experience(rollout, torch.zeros(len(rollout)), torch.zeros(len(rollout), dtype=torch.long))
+    traj, _ = maker.make(experience, version=3, device=torch.device("cpu"))
+    with torch.no_grad():
+        old = response_logprobs(policy, rollout.prompt_ids, rollout.prompt_mask, rollout.response_ids, mask)
+    expected = torch.exp(old - rollout.logprobs).clamp(max=2.0)
+    assert torch.allclose(traj.is_weights[mask], expected[mask], atol=1e-5)
+    assert len(set(traj.is_weights[0][mask[0]].tolist())) > 1  # the weights differ within one sample
