@@ -19,9 +19,9 @@ progress are saved with their tokens, log-probs and versions (:meth:`PartialBatc
 remaining segments need the weights of steps after the checkpoint, which the resumed run publishes
 exactly as the uninterrupted one did, so a resumed run equals it bit for bit.
 
-Only the HF engine generates in segments (its asynchronous worker, :class:`~alignlit.rollout.hf_worker
-.HFWorkerEngine`); multi-turn environments and DAPO's dynamic sampling (whose refills are not segmented)
-are refused with it.
+Only the HF engine generates in segments (its asynchronous worker,
+:class:`~alignlit.rollout.hf_worker.HFWorkerEngine`); multi-turn environments and DAPO's dynamic sampling
+(whose refills are not segmented) are refused with it.
 """
 
 from __future__ import annotations
