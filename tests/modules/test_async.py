@@ -124,6 +124,7 @@ def test_the_bound_holds_with_pinned_versions(tiny_policy_dir, prompts_file, tmp
     assert [h["async/staleness_mean"] for h in train] == [0, 1, 2, 2, 2, 2]
     assert [h["policy/version"] for h in train] == [1, 2, 3, 4, 5, 6]
     assert any("async/mismatch_kl_s2" in h for h in train)  # the stale samples' mismatch, by staleness
+    assert not any("async/token_staleness_max" in h for h in train)  # rollout.partial unset: whole rollouts
     assert module.rollout.pipeline is None and module.rollout.async_engine is None  # stopped at the end
 
 
