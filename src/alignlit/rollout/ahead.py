@@ -11,6 +11,11 @@ The producer thread runs :meth:`AheadCollector.produce`, a :class:`~alignlit.rol
 call on the producer's engine; it never touches the trainer's objects. The state of the pipeline (the
 finished batches not trained on yet, and the versions they were generated from) is :meth:`state_dict
 <AheadCollector.state_dict>`: saved after draining the producer, put back into the pipeline on resume.
+
+With ``rollout.partial`` the producer is a :class:`~alignlit.rollout.partial.SegmentedPipeline`: every step
+publishes its weights (the segments of the batches in progress continue with them), the producer runs
+:meth:`AheadCollector.segment` and :meth:`AheadCollector.finish`, the state holds the batches in progress
+too, and the per-token staleness is asserted and logged.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class AheadCollector:
         versions = torch.full((len(rollout),), batch.version, dtype=torch.long)
         return collector.accept(Experience(rollout, rewards, versions, metrics), engine=loop.async_engine)
 
-    def start(self):
+    def start(self) -> Any:
         """Start the loop's pipeline (segmented with ``rollout.partial``) and put back the restored batches."""
         loop = self.loop
         if loop.partial is None:
