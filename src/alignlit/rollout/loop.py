@@ -82,10 +82,9 @@ class RolloutLoop:
         hf: how the HF engine runs ``generate`` (``engine: hf`` only; the trainer's engine, the asynchronous
             worker's and those sampling from a frozen model): :class:`~alignlit.rollout.HFEngineOptions`, e.g.
             ``{kv_cache: static, share_prompt: true}`` (None: the defaults, a dynamic cache).
-        partial: ``L``: with ``max_staleness >= 1``, generate each rollout ahead in segments of ``L`` new
-            tokens, each continued from the weights of one step later (up to the weights of its own step;
-            every token records its version): :mod:`alignlit.rollout.partial`. None (the default): a rollout
-            is generated from one version. HF engine only.
+        partial: ``L``: with ``max_staleness >= 1``, generate each rollout ahead in segments of ``L`` new tokens,
+            each from the weights of one step later, up to its own step's; every token records its version
+            (:mod:`alignlit.rollout.partial`; HF engine only). None (the default): one version per rollout.
     """
 
     def __init__(
