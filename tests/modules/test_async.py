@@ -53,10 +53,11 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def grpo(policy_dir, k, **kwargs):
+def grpo(policy_dir, k, partial=None, **kwargs):
     return PolicyGradientModule(
         policy=str(policy_dir), reward=char_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0),
-        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2, max_staleness=k),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=2, max_staleness=k,
+                            partial=partial),
         minibatches=Minibatches(size=4), **kwargs,
     )  # fmt: skip
 
@@ -123,6 +124,7 @@ def test_the_bound_holds_with_pinned_versions(tiny_policy_dir, prompts_file, tmp
     assert [h["async/staleness_mean"] for h in train] == [0, 1, 2, 2, 2, 2]
     assert [h["policy/version"] for h in train] == [1, 2, 3, 4, 5, 6]
     assert any("async/mismatch_kl_s2" in h for h in train)  # the stale samples' mismatch, by staleness
+    assert not any("async/token_staleness_max" in h for h in train)  # rollout.partial unset: whole rollouts
     assert module.rollout.pipeline is None and module.rollout.async_engine is None  # stopped at the end
 
 
@@ -252,6 +254,9 @@ def online_dpo(policy_dir, k):
 
 STAGES = {
     "grpo-dynamic-sampling": lambda d: grpo(d, 1, dynamic_sampling=DynamicSampling(max_tries=2)),
+    "grpo-partial": lambda d: grpo(
+        d, 1, partial=2
+    ),  # batch 4 in progress at the checkpoint (rollout.partial)
     "ppo": lambda d: ppo(d, 1),
     "online-dpo": lambda d: online_dpo(d, 1),
 }
@@ -261,7 +266,8 @@ STAGES = {
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_resume_is_exact(stage, tiny_policy_dir, prompts_file, tmp_path):
     """k = 1, 6 steps over 2 epochs, a checkpoint after every step: resumed from the one after step 4 (mid
-    second epoch: batches 5 and 6 generated ahead or in flight at that moment), the run ends with the
+    second epoch: batches 5 and 6 generated ahead or in flight at that moment; with partial rollouts the next
+    batch half generated, its first segment from the weights before the checkpoint), the run ends with the
     uninterrupted run's weights and history, bit for bit."""
     straight = STAGES[stage](tiny_policy_dir)
     fit(straight, prompts_file, tmp_path / "a", checkpoint=True)
@@ -272,6 +278,8 @@ def test_resume_is_exact(stage, tiny_policy_dir, prompts_file, tmp_path):
         by_step[state["rollout"]["rollouts"]] = path
         if state["rollout"]["rollouts"] == 4:
             assert sorted(state["ahead"]) == [4]  # the batch generated ahead, saved with the checkpoint
+            if stage == "grpo-partial":  # in progress: segment 0 sampled, the rest waits for step 4's weights
+                assert state["ahead"][4]["partial"]["segment"] == 1
     resumed = STAGES[stage](tiny_policy_dir)
     fit(resumed, prompts_file, tmp_path / "b", ckpt_path=str(by_step[4]))
     assert same_weights(straight.policy, resumed.policy)

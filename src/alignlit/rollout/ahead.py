@@ -11,16 +11,26 @@ The producer thread runs :meth:`AheadCollector.produce`, a :class:`~alignlit.rol
 call on the producer's engine; it never touches the trainer's objects. The state of the pipeline (the
 finished batches not trained on yet, and the versions they were generated from) is :meth:`state_dict
 <AheadCollector.state_dict>`: saved after draining the producer, put back into the pipeline on resume.
+
+With ``rollout.partial`` the producer is a :class:`~alignlit.rollout.partial.SegmentedPipeline`: every step
+publishes its weights (the segments of the batches in progress continue with them), the producer runs
+:meth:`AheadCollector.segment` and :meth:`AheadCollector.finish`, the state holds the batches in progress
+too, and the per-token staleness is asserted and logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from alignlit.rollout.base import Experience, Rollout
 from alignlit.rollout.collector import Collector
+from alignlit.rollout.partial import SEGMENT_SEED_STRIDE, PartialBatch, SegmentedPipeline
+from alignlit.rollout.reward import reward_counters, score_rollout
 
 Result = tuple[Experience | None, dict[str, float]]
 """An accepted experience (None: nothing to train on) and its metrics."""
@@ -47,6 +57,23 @@ def load_experience(state: dict[str, Any]) -> Result:
     return experience, dict(state["metrics"])
 
 
+def token_staleness(rollout: Rollout, version: int, *, index: int, bound: int) -> dict[str, float]:
+    """``async/token_staleness_mean`` and ``_max`` of a partial rollout's response tokens trained by
+    ``version``; raises when a token lies outside ``[0, bound]``."""
+    staleness = version - rollout.token_versions[rollout.response_mask]  # (tokens,)
+    if not len(staleness):
+        return {}
+    if int(staleness.max()) > bound or int(staleness.min()) < 0:
+        raise AssertionError(
+            f"step {index}: tokens of versions {sorted(set((version - staleness).tolist()))} trained by version "
+            f"{version}: staleness outside [0, max_staleness={bound}]"
+        )
+    return {
+        "async/token_staleness_mean": float(staleness.float().mean()),
+        "async/token_staleness_max": float(staleness.max()),
+    }
+
+
 class AheadCollector:
     """Generates training rollouts ahead with bounded staleness (module docstring).
 
@@ -58,6 +85,8 @@ class AheadCollector:
         self.collector, self.loop = collector, collector.loop
         self.restored: tuple[dict[int, Result], dict[int, int]] = ({}, {})
         """Finished batches (and their versions) from a checkpoint, put back when the pipeline starts."""
+        self.restored_partial: dict[int, PartialBatch] = {}
+        """Batches in progress from a checkpoint (``rollout.partial``)."""
 
     def produce(self, index: int, prompts: list[str], version: int) -> Result:
         """Step ``index``'s rollout on the pipeline's engine (which holds ``version``), seeded as the
@@ -66,6 +95,39 @@ class AheadCollector:
         return self.collector.collect(
             prompts, version=version, seed=loop.seed + index, engine=loop.async_engine
         )
+
+    def segment(self, batch: PartialBatch, version: int) -> None:
+        """The next segment of a partial rollout on the pipeline's engine (holding ``version``); runs in the
+        producer thread (:mod:`alignlit.rollout.partial`)."""
+        loop = self.loop
+        seed = loop.seed + batch.index + batch.segment * SEGMENT_SEED_STRIDE
+        batch.run_segment(
+            loop.async_engine, loop.tokenizer, n=loop.samples_per_prompt, sampling=loop.sampling,
+            length=loop.partial, version=version, seed=seed,
+        )  # fmt: skip
+
+    def finish(self, batch: PartialBatch) -> Result:
+        """A finished partial rollout, scored and accepted (as :meth:`produce`'s); runs in the producer thread."""
+        loop, collector = self.loop, self.collector
+        rollout, metrics = batch.rollout(loop.tokenizer, n=loop.samples_per_prompt, sampling=loop.sampling)
+        start = time.perf_counter()
+        rewards = score_rollout(collector.reward, rollout)
+        metrics.update({"rollout/score_s": time.perf_counter() - start, **reward_counters(collector.reward)})
+        versions = torch.full((len(rollout),), batch.version, dtype=torch.long)
+        return collector.accept(Experience(rollout, rewards, versions, metrics), engine=loop.async_engine)
+
+    def start(self) -> Any:
+        """Start the loop's pipeline (segmented with ``rollout.partial``) and put back the restored batches."""
+        loop = self.loop
+        if loop.partial is None:
+            pipeline = loop.start_pipeline(self.produce)
+            pipeline.restore(*self.restored)
+            return pipeline
+        pipeline = loop.start_pipeline(
+            self.produce, make=lambda load: SegmentedPipeline(load, self.segment, self.finish)
+        )
+        pipeline.restore(*self.restored, self.restored_partial)
+        return pipeline
 
     def collect(
         self, prompts: list[str], *, version: int, schedule: Callable[[int], list[str]], last: int
@@ -78,8 +140,7 @@ class AheadCollector:
         index = loop.rollouts
         pipeline = loop.pipeline
         if pipeline is None:
-            pipeline = loop.start_pipeline(self.produce)
-            pipeline.restore(*self.restored)
+            pipeline = self.start()
         scheduled = schedule(index)
         if list(prompts) != list(scheduled):
             raise RuntimeError(
@@ -87,7 +148,11 @@ class AheadCollector:
                 f"generated {list(scheduled)[:2]}... for it: the loader's order is not the sampler's"
             )
         ahead = [j for j in range(index, min(index + k, max(last, index)) + 1) if j not in pipeline.submitted]
-        if ahead:
+        if loop.partial is not None:  # the segments of every batch in progress may need this step's weights
+            pipeline.publish(loop.snapshot(version), step=index)
+            for j in ahead:
+                pipeline.submit(j, schedule(j), version, step=index)
+        elif ahead:
             pipeline.publish(loop.snapshot(version))
             for j in ahead:
                 pipeline.submit(j, schedule(j), version)
@@ -104,24 +169,34 @@ class AheadCollector:
                 )
             metrics["async/staleness_mean"] = float(staleness.float().mean())
             metrics["async/staleness_max"] = float(staleness.max())
+            if experience.rollout.token_versions is not None:
+                metrics.update(token_staleness(experience.rollout, version, index=index, bound=k))
         return experience, metrics
 
     def state_dict(self) -> dict[int, dict[str, Any]]:
-        """The finished, untrained batches by step, with their versions. Drains the producer first, so
-        the state of everything it touches (the loop's counters, the collector's generator) settles:
-        call it before theirs."""
+        """The finished, untrained batches by step, with their versions, and with ``rollout.partial`` the
+        batches in progress (``"partial"``: their tokens, log-probs and versions so far). Drains the producer
+        first, so the state of everything it touches (the loop's counters, the collector's generator)
+        settles: call it before theirs."""
         pipeline = self.loop.pipeline
         ahead = pipeline.drain() if pipeline is not None else {}
-        return {
+        state = {
             j: {"result": experience_state(r), "version": pipeline.submitted[j]} for j, r in ahead.items()
         }
+        for j, batch in getattr(pipeline, "batches", {}).items():
+            state[j] = {"partial": batch.state_dict(), "version": pipeline.submitted[j]}
+        return state
 
     def load_state_dict(self, state: dict[int, dict[str, Any]]) -> None:
         """Restore :meth:`state_dict`: the batches go back into the pipeline when it starts."""
+        done = {int(j): s for j, s in state.items() if "partial" not in s}
         self.restored = (
-            {int(j): load_experience(s["result"]) for j, s in state.items()},
+            {j: load_experience(s["result"]) for j, s in done.items()},
             {int(j): int(s["version"]) for j, s in state.items()},
         )
+        self.restored_partial = {
+            int(j): PartialBatch.from_state(s["partial"]) for j, s in state.items() if "partial" in s
+        }
 
     def resume_notice(self) -> str:
         """The notice of a resume that cannot match an uninterrupted run ("" when it can).
@@ -133,7 +208,7 @@ class AheadCollector:
         weights of the resume, staleness 0 instead of up to ``k``: a valid run, but not the one a run planned
         that long from the start would have trained (its weights from earlier versions are gone)."""
         k, index = self.loop.max_staleness, self.loop.rollouts
-        missing = [j for j in range(index, index + k) if j not in self.restored[0]]
+        missing = [j for j in range(index, index + k) if j not in self.restored[1]]
         if not k or not index or not missing:
             return ""
         steps = ", ".join(map(str, missing))

@@ -57,6 +57,9 @@ class Rollout:
             also holds environment tokens (:mod:`alignlit.rollout.episodes`); None: every response token.
         turn_rewards: (N, T) float, each environment step's reward on the last sampled token of the turn
             it answered, 0 elsewhere (episodes only; None otherwise).
+        token_versions: (N, T) long, the policy version each response token was sampled under, 0 on padding
+            (partial rollouts, ``rollout.partial``: :mod:`alignlit.rollout.partial`; None otherwise: every
+            token of a sample comes from its :attr:`Experience.versions`).
     """
 
     prompts: list[str]
@@ -71,6 +74,7 @@ class Rollout:
     n: int
     action_mask: torch.Tensor | None = None
     turn_rewards: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -89,7 +93,8 @@ class Experience:
         rollout: ``N = B * n`` samples (prompt ``i`` repeated ``n`` times consecutively), see
             :class:`~alignlit.rollout.base.Rollout`.
         rewards: (N,) float32, the reward function's score of each sample.
-        versions: (N,) long, the policy version that generated each sample.
+        versions: (N,) long, the policy version that generated each sample (with partial rollouts the
+            version of its first segment, the oldest of its tokens' :attr:`Rollout.token_versions`).
         metrics: how it was made: the generation's timings and throughput, the engine sync, the episodes'
             and the reward's counters (:meth:`~alignlit.rollout.RolloutLoop.collect`).
     """
@@ -156,5 +161,8 @@ def select_groups(rollouts: list[Rollout], groups: list[torch.Tensor], pad_id: i
         else None,
         turn_rewards=cat("turn_rewards", width_t, 0.0, False)
         if rollouts[0].turn_rewards is not None
+        else None,
+        token_versions=cat("token_versions", width_t, 0, False)
+        if rollouts[0].token_versions is not None
         else None,
     )

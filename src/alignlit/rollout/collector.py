@@ -58,11 +58,17 @@ def check_collection(
     loop: RolloutLoop, *, overlong: Overlong | None = None, dynamic_sampling: DynamicSampling | None = None
 ) -> None:
     """Refuse DAPO settings the loop cannot serve: dynamic sampling compares the rewards of a prompt's
-    samples (``samples_per_prompt >= 2``); the overlong penalty's buffer lies within ``max_new_tokens``."""
+    samples (``samples_per_prompt >= 2``) and its refills are not partial rollouts (``rollout.partial``); the
+    overlong penalty's buffer lies within ``max_new_tokens``."""
     if dynamic_sampling is not None and loop.samples_per_prompt < 2:
         raise ValueError(
             f"dynamic_sampling compares the rewards of a prompt's samples: rollout.samples_per_prompt must be "
             f">= 2, got {loop.samples_per_prompt}"
+        )
+    if dynamic_sampling is not None and loop.partial is not None:
+        raise ValueError(
+            f"dynamic_sampling refills are generated whole, not in segments: unset rollout.partial "
+            f"({loop.partial}) or dynamic_sampling"
         )
     limit = loop.sampling.max_new_tokens
     if overlong is not None and overlong.mode == "penalty" and overlong.buffer > limit:

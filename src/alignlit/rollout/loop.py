@@ -30,6 +30,7 @@ from alignlit.rollout.environment import Environment
 from alignlit.rollout.episodes import EpisodeReturn, run_episodes
 from alignlit.rollout.hf_engine import HFEngine, HFEngineOptions
 from alignlit.rollout.parity import check_parity
+from alignlit.rollout.partial import check_partial
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
 from alignlit.rollout.reward_protocol import Reward, reward_counters, score_rollout
 
@@ -82,6 +83,9 @@ class RolloutLoop:
         hf: how the HF engine runs ``generate`` (``engine: hf`` only; the trainer's engine, the asynchronous
             worker's and those sampling from a frozen model): :class:`~alignlit.rollout.HFEngineOptions`, e.g.
             ``{kv_cache: static, share_prompt: true}`` (None: the defaults, a dynamic cache).
+        partial: ``L``: with ``max_staleness >= 1``, generate each rollout ahead in segments of ``L`` new tokens,
+            each from the weights of one step later, up to its own step's; every token records its version
+            (:mod:`alignlit.rollout.partial`; HF engine only). None (the default): one version per rollout.
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class RolloutLoop:
         max_episode_tokens: int | None = None,
         endpoints: list[str] | None = None,
         hf: HFEngineOptions | None = None,
+        partial: int | None = None,
     ):
         sampling = sampling if sampling is not None else SamplingParams()
         if engine not in ("hf", "vllm", "vllm_server"):
@@ -155,6 +160,8 @@ class RolloutLoop:
             )
         self.environment, self.max_turns = environment, max_turns
         self.max_episode_tokens = max_episode_tokens or max_turns * sampling.max_new_tokens
+        check_partial(partial, engine=engine, max_staleness=max_staleness, environment=environment)
+        self.partial = partial
         self.engine: RolloutEngine | None = None
         self.async_engine = None
         """The engine with weights of its own that generates ahead (``max_staleness >= 1``)."""
@@ -231,10 +238,11 @@ class RolloutLoop:
             engine, data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]
         )
 
-    def start_pipeline(self, produce: Callable[[int, list[str], int], Any]) -> RolloutPipeline:
+    def start_pipeline(self, produce: Callable[[int, list[str], int], Any], make: Callable | None = None):
         """Start the background producer of ``max_staleness >= 1`` (:mod:`alignlit.rollout.pipeline`):
         ``produce(index, prompts, version)`` generates (with ``engine=self.async_engine``) and scores step
-        ``index``'s rollout; the engine holds weights of its own, loaded from published snapshots."""
+        ``index``'s rollout; the engine holds weights of its own, loaded from published snapshots. ``make(load)``
+        builds another producer on the HF worker (partial rollouts, :mod:`alignlit.rollout.partial`)."""
         engine, policy = self._require_setup()
         if self.engine_kind == "hf":
             from alignlit.rollout.hf_worker import HFWorkerEngine
@@ -244,9 +252,8 @@ class RolloutLoop:
                 options=self.hf,
             )  # fmt: skip
             self.async_engine = worker
-            self.pipeline = RolloutPipeline(
-                lambda snap: worker.load_weights(snap.version, snap.state), produce
-            )
+            build = make or (lambda load: RolloutPipeline(load, produce))
+            self.pipeline = build(lambda snap: worker.load_weights(snap.version, snap.state))
             return self.pipeline
         if getattr(engine, "versioned", False):  # served engines take (version, state) and acknowledge it
             self.async_engine = engine
@@ -394,13 +401,8 @@ class RolloutLoop:
             and self.syncs % self.parity_every == 0
             and rollout.action_mask is None
         ):
-            parity = check_parity(
-                policy,
-                rollout,
-                temperature=sampling.temperature,
-                tol=self.parity_tol,
-                max_samples=self.parity_samples,
-            )
+            parity = check_parity(policy, rollout, temperature=sampling.temperature, tol=self.parity_tol,
+                                  max_samples=self.parity_samples)  # fmt: skip
             metrics["rollout/parity_max_abs_diff"] = parity["max_abs_diff"]
             metrics["rollout/parity_mean_abs_diff"] = parity["mean_abs_diff"]
         if managed and engine is self.async_engine and self._unverified is not None and self.parity_every:
