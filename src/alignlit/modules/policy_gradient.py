@@ -186,9 +186,13 @@ class PolicyGradientModule(OnlineModule):
         self.min_loss_tokens = 2 if self.per_token else 1  # REINFORCE++'s whitening needs two values
         self.max_length = max_length or self.rollout.sampling.max_new_tokens
         if self.minibatch_plan.token_budget is not None:  # the aggregation's unit shares its micro-batches
-            aggregation_share(
-                self.aggregate, torch.ones(1, 1, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
-            )
+            one = torch.ones(1, 1, dtype=torch.bool)
+            try:
+                aggregation_share(self.aggregate, one, one)
+            except ValueError as err:
+                raise ValueError(
+                    f"minibatches.token_budget with aggregation {aggregation!r}: {err}"
+                ) from None
 
     @torch.no_grad()
     def advantages(self, trajectory: Trajectory) -> dict[str, float]:
