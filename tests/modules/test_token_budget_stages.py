@@ -10,10 +10,13 @@ so that the rows hold ``LENGTHS = 4 + r`` tokens.
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import lightning as L
 import pytest
 import torch
 
+from alignlit.data import PromptDataModule
 from alignlit.models import export_pretrained, make_tiny_llama
 from alignlit.modules import Minibatches, OnlineDPOModule, PolicyGradientModule, PPOModule
 from alignlit.modules.micro_batches import combine_metrics, even_out, forward_in_budget, padding_bounds
@@ -156,6 +159,44 @@ def test_micro_batch_count_and_padding_share_by_hand(tiny_policy_dir, reference_
     module.micro_stats.reset()
     module.train_on(module.make_trajectory(exp)[0])
     assert module.micro_stats.metrics() == {}  # nothing logged without a budget
+
+
+def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir, tmp_path):
+    """Two rollouts of GRPO through a Trainer (responses of up to 12 tokens, 4 rows per optimiser step):
+    the policy trained with a 40-token budget is the one trained without, and the budgeted run logs its
+    micro-batches (more than one per step: 4 rows of at least 12 prompt tokens exceed 40) and padding share."""
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"\n\nHuman: sort {' '.join('abcdefgh'[: 2 + i])}\n\nAssistant:"}) + "\n"
+            for i in range(6)
+        )
+    )
+    policies = {}
+    for budget in (None, 40):
+        module = PolicyGradientModule(
+            policy=str(tiny_policy_dir), reward=lambda p, r: [float(len(x) % 3) for x in r],
+            reference=str(reference_dir), kl_loss_coef=0.1, aggregation="seq_mean_token_mean",
+            rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=12), samples_per_prompt=4),
+            minibatches=Minibatches(size=4, token_budget=budget),
+        )  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path / str(budget),
+        )  # fmt: skip
+        trainer.fit(
+            module,
+            PromptDataModule(train_file=str(tmp_path / "prompts.jsonl"), val_fraction=0.0, batch_size=2),
+        )
+        history = [h for h in module.progress.history if "policy/grad_norm" in h]
+        assert len(history) == 2
+        if budget is None:
+            assert not any(k.startswith("perf/") for h in history for k in h)
+        else:
+            assert all(h["perf/microbatches"] > 1 and 0 <= h["perf/padding_share"] < 1 for h in history)
+        policies[budget] = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    for name, value in policies[None].items():
+        torch.testing.assert_close(policies[40][name], value, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- PPO
