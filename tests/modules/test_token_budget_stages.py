@@ -163,7 +163,7 @@ def test_micro_batch_count_and_padding_share_by_hand(tiny_policy_dir, reference_
 
 def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir, tmp_path):
     """Two rollouts of GRPO through a Trainer (responses of up to 12 tokens, 4 rows per optimiser step):
-    the policy trained with a 40-token budget is the one trained without, and the budgeted run logs its
+    the policy trained with a 40-token budget (and its gradient norms) is the one trained without, and the budgeted run logs its
     micro-batches (more than one per step: 4 rows of at least 12 prompt tokens exceed 40) and padding share."""
     (tmp_path / "prompts.jsonl").write_text(
         "".join(
@@ -171,7 +171,7 @@ def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir
             for i in range(6)
         )
     )
-    policies = {}
+    policies, norms = {}, {}
     for budget in (None, 40):
         module = PolicyGradientModule(
             policy=str(tiny_policy_dir), reward=lambda p, r: [float(len(x) % 3) for x in r],
@@ -195,6 +195,8 @@ def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir
         else:
             assert all(h["perf/microbatches"] > 1 and 0 <= h["perf/padding_share"] < 1 for h in history)
         policies[budget] = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+        norms[budget] = [h["policy/grad_norm"] for h in history]  # Adam's first steps hide a scale, not this
+    assert norms[40] == pytest.approx(norms[None], rel=1e-4)
     for name, value in policies[None].items():
         torch.testing.assert_close(policies[40][name], value, rtol=1e-4, atol=1e-6)
 
