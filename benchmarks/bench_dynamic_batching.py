@@ -11,7 +11,8 @@ hand-built rollout of ``--prompts`` x ``--samples`` rows with prompts of 16..48 
   passes: one pass per minibatch padded to the rollout's widths (budget none), or micro-batches of at most
   the budget's padded tokens, each cut to its longest row.
 
-Both sides run in one process, alternated ``--repeats`` times (medians), under the default forward settings
+Both sides run in one process, one setting after the other (a fresh module each; ``--repeats`` timings after a
+warm-up, medians; each setting a cell of ``--work``, so a stopped run resumes), under the default forward settings
 (``packing="auto"``: a batch whose padding is at least a quarter of its tokens already runs packed) and
 with packing off (``--packing both``). Reported per setting: micro-batches per step, the padding share of
 the update's forwards (``perf/padding_share``; the unbudgeted rows' share of the rollout-wide padded
