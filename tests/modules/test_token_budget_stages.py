@@ -201,6 +201,27 @@ def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir
         torch.testing.assert_close(policies[40][name], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("count", [5, 11])
+def test_more_micro_batches_for_other_ranks_keep_the_gradient(tiny_policy_dir, reference_dir, count):
+    """When another data-parallel rank needs more micro-batches (here: the most over the ranks is forced to
+    5 or 11 against the 3 of budget 48), the step halves its largest micro-batches (5) and then adds
+    fillers weighed 0 (11 > 8 rows): the same gradient as one pass, ``count`` passes logged."""
+    module = pg_module(
+        tiny_policy_dir, reference_dir, aggregation="seq_mean_token_mean",
+        minibatches=Minibatches(size=8, shuffle=False),
+    )  # fmt: skip
+    recorder = attach(module, module.policy)[0]
+    exp = experience(module)
+    module.train_on(module.make_trajectory(exp)[0])
+    with_budget(module, 48)
+    module._micro_batch_count = lambda own: count if own == 3 else pytest.fail(f"{own} micro-batches")
+    module.micro_stats.reset()
+    metrics = module.train_on(module.make_trajectory(exp)[0])
+    assert module.micro_stats.metrics()["perf/microbatches"] == count
+    assert_grads_close(recorder.grads[1:], recorder.grads[:1])
+    assert metrics["policy/grad_norm"] > 0
+
+
 # ---------------------------------------------------------------------- PPO
 @pytest.mark.parametrize("advantage_norm", ["batch", "minibatch"])
 def test_ppo_budgets_give_the_one_pass_gradients(tiny_policy_dir, advantage_norm):

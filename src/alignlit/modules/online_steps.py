@@ -67,17 +67,15 @@ class OnlineSteps:
         keep = mb.loss_mask.any(-1).nonzero().flatten()  # rows without a loss token add nothing
         lengths = row_lengths(mb.prompt_mask, mb.attention_mask)[keep].cpu()
         micro = [keep[rows.to(keep.device)] for rows in token_budget_microbatches(lengths, budget)]
-        real = len(micro)  # then fillers: a forward and a backward weighed 0, for the collectives
-        micro = even_out(
-            micro, max(self._micro_batch_count(real), 1), filler=torch.zeros(1, dtype=torch.long)
-        )
+        filler = torch.zeros(1, dtype=torch.long)  # a forward and a backward weighed 0, for the collectives
+        micro = even_out(micro, max(self._micro_batch_count(len(micro)), 1), filler=filler)
         records: list[tuple[float, float, dict[str, torch.Tensor]]] = []
 
         def backward() -> None:
             for k, rows in enumerate(micro):
                 part = mb.select(rows).trimmed()
                 share, tokens = 0.0, 0.0
-                if k < real:
+                if rows is not filler:
                     share = aggregation_share(aggregation, part.loss_mask, mb.loss_mask)
                     tokens = float(part.loss_mask.sum()) / float(mb.loss_mask.sum().clamp(min=1))
                 loss, metrics = loss_fn(part)
@@ -87,7 +85,7 @@ class OnlineSteps:
                 else:
                     check_finite(loss, what=what, step=self.global_step, metrics=metrics)
                 self.manual_backward(loss)
-                if k < real:
+                if rows is not filler:
                     records.append((share, tokens, {key: v.detach() for key, v in metrics.items()}))
                 self.micro_stats.add(rows, part.prompt_mask, part.attention_mask)
 
