@@ -18,7 +18,6 @@ gradient clipping, the statistics over data-parallel ranks and the curves, and c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -30,7 +29,8 @@ from alignlit.lightning_internals import attached_trainer
 from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, Optim, check_finite
+from alignlit.modules.base import AlignModule, Optim
+from alignlit.modules.micro_batches import MicroBatchStats
 from alignlit.modules.online_parts import (
     KLPenalty,
     PhaseDisplay,
@@ -43,6 +43,7 @@ from alignlit.modules.online_parts import (
 )
 from alignlit.modules.online_prompts import TrainingPrompts
 from alignlit.modules.online_state import Progress, Stateful, StateOf, load_state, save_state, write_curves
+from alignlit.modules.online_steps import OnlineSteps
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.modules.trajectory_maker import TrajectoryMaker, resolve_correction
 from alignlit.ops import DynamicSampling, Overlong
@@ -56,7 +57,7 @@ from alignlit.rollout.reward_protocol import Reward, RewardFn
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
-class OnlineModule(AlignModule):
+class OnlineModule(OnlineSteps, AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and for state of its own
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -71,7 +72,8 @@ class OnlineModule(AlignModule):
         reference: frozen reference policy ``π_0`` directory (default: the policy's starting weights; with
             ``lora``, the policy's base with the adapter disabled, no second copy).
         rollout: how samples are collected (engine, sampling, samples per prompt, seed; ``RolloutLoop()``).
-        minibatches: how the stage cuts a rollout into optimiser steps (size, epochs or steps, shuffle).
+        minibatches: how the stage cuts a rollout into optimiser steps (size, epochs or steps, shuffle) and
+            the passes of a step into micro-batches (``token_budget``).
         kl: the KL(π‖π_0) penalty in the reward, fixed or adaptive ``β`` (None: off; PPO's default is on).
         optim: the policy's AdamW + warmup/cosine settings; steps are rollouts.
         max_grad_norm: global gradient-norm clipping of each trained model (None: off).
@@ -190,6 +192,7 @@ class OnlineModule(AlignModule):
             task_rewards=self.collector.task_rewards, needs_logprobs=self.needs_logprobs, old_logprobs=old_logprobs,
             overlong_filter=overlong is not None and overlong.mode == "filter",
             kl_estimator=kl.estimator if kl is not None else None, kl_ctl=self.kl_ctl, correction=correction,
+            token_budget=minibatches.token_budget,
         )  # fmt: skip
         self.prompts = TrainingPrompts(
             self.rollout, self.tokenizer, position_limit=models.position_limit, val_sampling=val_sampling,
@@ -204,6 +207,7 @@ class OnlineModule(AlignModule):
         """Why a resumed asynchronous run cannot match the uninterrupted one ("" when it can)."""
         self._phase = PhaseDisplay()
         self._stepped: set[int] = set()
+        self.micro_stats = MicroBatchStats()
         self._planned_rollouts = 1
 
     # ------------------------------------------------------------------ what a stage implements
@@ -310,6 +314,7 @@ class OnlineModule(AlignModule):
         updated; ``time/train_s``, ``lr/*``."""
         self._phase.show(self.trainer, "train")
         start, self._stepped = time.perf_counter(), set()
+        self.micro_stats.reset()
         if experience is None:
             metrics = self.skip("every group's rewards are equal (no informative group)")
         else:
@@ -327,6 +332,7 @@ class OnlineModule(AlignModule):
             schedulers[index].step()
         self.progress.trained_rollouts += bool(self._stepped)
         self.progress.policy_version += 0 in self._stepped  # the policy (trained model 0) took the updates
+        metrics |= self.micro_stats.metrics()  # perf/*, with minibatches.token_budget
         metrics["time/train_s"] = time.perf_counter() - start
         for trained, scheduler in zip(self.trained_models(), schedulers):
             metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
@@ -352,51 +358,6 @@ class OnlineModule(AlignModule):
         """(N, T) log-probs of the response tokens ``ids`` under ``model`` on this module's device
         (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.logprobs`)."""
         return self.trajectories.logprobs(model, ids, device=self.device, temperature=temperature)
-
-    # ------------------------------------------------------------------ what train_on calls
-    def _listed(self, value) -> list:
-        return value if isinstance(value, list) else [value]
-
-    def minibatches(self, num_rows: int) -> Iterator[torch.Tensor]:
-        """The row indices of each optimiser step over ``num_rows`` rows (``minibatches``, drawn with the
-        stage's seeded generator, saved in checkpoints)."""
-        return self.minibatch_plan.plan(num_rows, self.progress.minibatch_generator)
-
-    def trainable(self, trajectory: Trajectory) -> Trajectory:
-        """The samples to update on: those with a loss token; with several ranks all of them (masked),
-        so that every rank takes as many optimiser steps."""
-        if attached_trainer(self) is not None and self.trainer.world_size > 1:
-            return trajectory
-        return trajectory.with_loss_tokens()
-
-    def update(self, name: str, loss: torch.Tensor) -> torch.Tensor:
-        """Backward ``loss``, clip the gradient norm of the trained model ``name`` and step its optimizer;
-        returns the norm before clipping."""
-        names = [t.name for t in self.trained_models()]
-        if name not in names:
-            raise KeyError(f"{type(self).__name__} trains {names}, not {name!r}")
-        index = names.index(name)
-        model = self.trained_models()[index].module
-        optimizer = self._listed(self.optimizers())[index]
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        norm = self.clip_grad_norm(model.parameters(), self.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # not held through the next rollout's forwards
-        self._stepped.add(index)
-        return norm
-
-    def skip(self, reason: str) -> dict[str, float]:
-        """Count a rollout the stage cannot learn from (e.g. no loss token) and say why."""
-        self.progress.skipped_rollouts += 1
-        print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
-        return {"rollout/skipped": 1.0}
-
-    def add_ptx(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, what: str) -> torch.Tensor:
-        """``loss + ptx.coef · NLL`` on the next ptx batch (metric ``ptx_nll``), checked finite."""
-        loss = self.ptx_mixer.add(loss, metrics, self.policy, self.device)
-        check_finite(loss, what=what, step=self.global_step, metrics=metrics)
-        return loss
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:

@@ -152,6 +152,11 @@ class OnlineDPOModule(OnlineModule):
                 "kl penalises a reward the policy gradient follows; online DPO's KL control is its β"
             )
         objective = PreferenceObjective(loss_type, loss_args, beta=beta, sft_weight=sft_weight)
+        if minibatches.token_budget is not None:
+            raise ValueError(
+                f"minibatches.token_budget ({minibatches.token_budget}): online DPO trains on re-encoded pairs, "
+                "which are not split into token-budget micro-batches; set it to None"
+            )
         super().__init__(policy, reward, minibatches=minibatches, **kwargs)
         if self.rollout.samples_per_prompt < 2:
             raise ValueError(

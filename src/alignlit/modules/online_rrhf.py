@@ -117,6 +117,11 @@ class OnlineRRHFModule(OnlineModule):
             raise ValueError(
                 "tis_cap / rollout_correction weight policy-gradient token losses; RRHF has none"
             )
+        if minibatches.token_budget is not None:
+            raise ValueError(
+                f"minibatches.token_budget ({minibatches.token_budget}): online RRHF trains on re-encoded prompts' response sets, "
+                "which are not split into token-budget micro-batches; set it to None"
+            )
         super().__init__(policy, reward, minibatches=minibatches, **kwargs)
         if self.rollout.samples_per_prompt < 2 and not extra_responses:
             raise ValueError(

@@ -16,13 +16,20 @@ so every rank runs as many updates as the others.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
 
 from alignlit.checks import resolve_registered
 from alignlit.hub import Pretrained
-from alignlit.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, generalized_jsd_loss, policy_gradient_loss
+from alignlit.losses import (
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    aggregation_share,
+    generalized_jsd_loss,
+    policy_gradient_loss,
+)
 from alignlit.models.forward import response_logits, response_token_logprobs, scored_from_logits
 from alignlit.models.loading import load_policy
 from alignlit.models.scoring import check_temperature
@@ -178,6 +185,14 @@ class PolicyGradientModule(OnlineModule):
             )
         self.min_loss_tokens = 2 if self.per_token else 1  # REINFORCE++'s whitening needs two values
         self.max_length = max_length or self.rollout.sampling.max_new_tokens
+        if self.minibatch_plan.token_budget is not None:  # the aggregation's unit shares its micro-batches
+            one = torch.ones(1, 1, dtype=torch.bool)
+            try:
+                aggregation_share(self.aggregate, one, one)
+            except ValueError as err:
+                raise ValueError(
+                    f"minibatches.token_budget with aggregation {aggregation!r}: {err}"
+                ) from None
 
     @torch.no_grad()
     def advantages(self, trajectory: Trajectory) -> dict[str, float]:
@@ -254,8 +269,10 @@ class PolicyGradientModule(OnlineModule):
     def frozen_prefixes(self) -> list[str]:
         return super().frozen_prefixes() + (["teacher."] if self.teacher is not None else [])
 
-    def policy_loss(self, mb: Trajectory) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """:func:`~alignlit.losses.policy_gradient_loss` of the policy on a minibatch, plus ptx.
+    def policy_loss(
+        self, mb: Trajectory, *, ptx: bool = True
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:func:`~alignlit.losses.policy_gradient_loss` of the policy on a minibatch, plus ptx (``ptx``).
 
         A minibatch without a loss token (with several ranks, whose masked rows stay in) gives a zero
         policy term that still runs the policy's forward and reaches every weight with a zero gradient,
@@ -279,7 +296,7 @@ class PolicyGradientModule(OnlineModule):
         if not mb.loss_mask.any():
             zero = torch.where(mb.loss_mask, scored.logprobs, torch.zeros_like(scored.logprobs)).sum()
             metrics: dict[str, torch.Tensor] = {}
-            return self.add_ptx(zero, metrics, what="policy-gradient loss"), metrics
+            return (self.add_ptx(zero, metrics, what="policy-gradient loss") if ptx else zero), metrics
         loss, metrics = policy_gradient_loss(
             scored.logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
             clip_low=hp.clip_low, clip_high=hp.clip_high, aggregation=self.aggregate, max_length=self.max_length,
@@ -289,7 +306,7 @@ class PolicyGradientModule(OnlineModule):
         )  # fmt: skip
         if logits is not None:
             loss = loss + hp.jsd_coef * self.jsd_term(logits, mb, metrics)
-        return self.add_ptx(loss, metrics, what="policy-gradient loss"), metrics
+        return (self.add_ptx(loss, metrics, what="policy-gradient loss") if ptx else loss), metrics
 
     def jsd_term(
         self, logits: torch.Tensor, mb: Trajectory, metrics: dict[str, torch.Tensor]
@@ -314,9 +331,11 @@ class PolicyGradientModule(OnlineModule):
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         metrics = self.advantages(trajectory)
         batch, records = self.trainable(trajectory), []
+        loss_fn, what = partial(self.policy_loss, ptx=False), "policy-gradient loss"
         for rows in self.minibatches(len(batch)):
-            loss, loss_metrics = self.policy_loss(batch.select(rows))
-            loss_metrics["grad_norm"] = self.update("policy", loss)
-            records.append(loss_metrics)
+            mb = batch.select(rows)
+            records.append(
+                self.update_on("policy", mb, loss_fn, aggregation=self.aggregate, what=what, ptx=True)
+            )
         metrics.update({f"policy/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -195,7 +196,9 @@ class PPOModule(OnlineModule):
         hp, mask = self.hparams, trajectory.loss_mask
         start = time.perf_counter()
         with eval_mode(self.critic):
-            trajectory.values = response_values(self.critic, *trajectory.ids)  # (N, T)
+            trajectory.values = self.trajectories.forward(
+                partial(response_values, self.critic), trajectory.ids, device=self.device
+            )  # (N, T)
         metrics = {"time/values_s": time.perf_counter() - start}
         shaped, shaping_metrics = self._sequence_rewards(trajectory)
         metrics.update(shaping_metrics)
@@ -242,36 +245,48 @@ class PPOModule(OnlineModule):
         check_finite(loss, what="PPO value loss", step=self.global_step, metrics=metrics)
         return loss, metrics
 
-    def actor_loss(self, mb: Trajectory) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped surrogate + entropy bonus + ``ptx.coef``·SFT NLL of the policy on a minibatch."""
+    def actor_loss(
+        self, mb: Trajectory, *, ptx: bool = True, whiten_minibatch: bool = True
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped surrogate + entropy bonus + ``ptx.coef``·SFT NLL (``ptx``) of the policy on a minibatch,
+        its advantages whitened over it with ``advantage_norm: minibatch`` (``whiten_minibatch``)."""
         hp = self.hparams
         scored = response_token_logprobs(
             self.policy, *mb.ids, temperature=self.rollout.sampling.temperature,
             with_entropy=True, entropy_grad=hp.entropy_coef > 0,
         )  # fmt: skip
         mask = mb.loss_mask
-        advantages = whiten(mb.advantages, mask) if hp.advantage_norm == "minibatch" else mb.advantages
+        minibatch_norm = hp.advantage_norm == "minibatch" and whiten_minibatch
+        advantages = whiten(mb.advantages, mask) if minibatch_norm else mb.advantages
         loss, metrics = ppo_policy_loss(
             scored.logprobs, mb.old_logprobs, advantages, mask, clip_eps=hp.clip_eps, is_weights=mb.is_weights
         )
         entropy_loss, entropy_metrics = entropy_bonus(scored.entropy, mask, coef=hp.entropy_coef)
         metrics.update(entropy_metrics)
-        return self.add_ptx(loss + entropy_loss, metrics, what="PPO policy loss"), metrics
+        loss = loss + entropy_loss
+        return (self.add_ptx(loss, metrics, what="PPO policy loss") if ptx else loss), metrics
 
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         metrics = self.advantages(trajectory)
         batch = self.trainable(trajectory)
         actor_active = self.rollout.rollouts > self.hparams.critic_pretrain_rollouts
         critic_records, actor_records = [], []
-        for rows in self.minibatches(len(batch)):
+        actor_loss = partial(self.actor_loss, ptx=False, whiten_minibatch=False)
+        for rows in self.minibatches(len(batch)):  # every loss a mean over the minibatch's loss tokens
             mb = batch.select(rows)
-            loss, critic_metrics = self.critic_loss(mb)
-            critic_metrics["grad_norm"] = self.update("critic", loss)
-            critic_records.append(critic_metrics)
+            critic_records.append(
+                self.update_on(
+                    "critic", mb, self.critic_loss, aggregation="token_mean", what="PPO value loss"
+                )
+            )
             if actor_active:
-                loss, actor_metrics = self.actor_loss(mb)
-                actor_metrics["grad_norm"] = self.update("actor", loss)
-                actor_records.append(actor_metrics)
+                if self.hparams.advantage_norm == "minibatch":  # over the whole minibatch, not a micro-batch
+                    mb.advantages = whiten(mb.advantages, mb.loss_mask)
+                actor_records.append(
+                    self.update_on(
+                        "actor", mb, actor_loss, aggregation="token_mean", what="PPO policy loss", ptx=True
+                    )
+                )
         metrics.update(
             {f"value/{k.removeprefix('value_')}": v for k, v in mean_metrics(critic_records).items()}
         )

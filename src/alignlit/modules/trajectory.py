@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from alignlit.modules.micro_batches import padding_bounds
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -105,6 +107,22 @@ class Trajectory:
             out[f.name] = value
         return type(self)(**out)
 
+    def trimmed(self) -> Trajectory:
+        """The same samples without the columns that are padding in every row (the prompt's leading ones,
+        the response side's trailing ones; :func:`~alignlit.modules.micro_batches.padding_bounds`): a
+        forward over fewer tokens that gives every row the same values."""
+        p0, t1 = padding_bounds(self.prompt_mask, self.attention_mask)
+        rows, width = self.response_ids.shape
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("prompt_ids", "prompt_mask"):
+                value = value[:, p0:]
+            elif torch.is_tensor(value) and value.dim() >= 2 and tuple(value.shape[:2]) == (rows, width):
+                value = value[:, :t1]
+            out[f.name] = value
+        return type(self)(**out)
+
     def with_loss_tokens(self) -> Trajectory:
         """The samples with at least one loss token (all of them when every sample has one)."""
         keep = self.loss_mask.any(-1).nonzero().flatten()
@@ -123,18 +141,32 @@ class Minibatches:
             ``resample_every``); None: ``epochs`` passes.
         shuffle: shuffle the rows of every pass (with the stage's own seeded generator, saved in
             checkpoints).
+        token_budget: dynamic batching: the forward/backward passes of each optimiser step run over
+            micro-batches of the minibatch's rows holding at most this many padded tokens (``rows ×
+            longest row``, prompt and response, :func:`~alignlit.ops.token_budget_microbatches`), each cut
+            to its own longest row; their gradients, each scaled by its share of the stage's loss
+            aggregation (:func:`~alignlit.losses.aggregation_share`), add up to the minibatch's before the
+            one optimiser step (clipping on the sum). The no-grad passes of the trajectory (old and
+            reference log-probs, values, a teacher's log-probs) are split by it too. Logged:
+            ``perf/microbatches`` per optimiser step, ``perf/padding_share``. None: one pass over the
+            whole minibatch padded to its longest row (policy gradients and PPO only take a budget).
     """
 
     size: int = 16
     epochs: int = 1
     steps: int | None = None
     shuffle: bool = True
+    token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.epochs < 1:
             raise ValueError(f"minibatches.size and epochs must be >= 1, got {self.size}, {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"minibatches.steps must be >= 1 or None, got {self.steps}")
+        if self.token_budget is not None and (isinstance(self.token_budget, bool) or self.token_budget < 1):
+            raise ValueError(
+                f"minibatches.token_budget must be an int >= 1 or None, got {self.token_budget!r}"
+            )
         if self.steps is not None and self.epochs != 1:
             raise ValueError(
                 f"minibatches: give epochs ({self.epochs}) or steps ({self.steps}), not both: steps fixes "

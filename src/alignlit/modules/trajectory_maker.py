@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
 
 from alignlit.models.forward import response_logprobs
 from alignlit.models.modes import eval_mode
+from alignlit.modules.micro_batches import forward_in_budget
 from alignlit.modules.trajectory import Trajectory
 from alignlit.ops import kl_estimate, logprob_mismatch, masked_mean, overlong_mask
 from alignlit.ops.kl import AdaptiveKLController, FixedKLController, KLKind
@@ -76,6 +78,8 @@ class TrajectoryMaker:
         kl_ctl: the penalty's ``β`` controller (the stage's; read, never updated here).
         correction: the rollout correction weighting each token's policy loss, as
             :func:`~alignlit.ops.rollout_correction.resolve_rollout_correction` binds it (None: off).
+        token_budget: the no-grad passes (:meth:`forward`) run over micro-batches of rows holding at most this
+            many padded tokens (``minibatches.token_budget``; None: one pass over every row).
     """
 
     def __init__(
@@ -91,11 +95,21 @@ class TrajectoryMaker:
         kl_estimator: KLKind | None = None,
         kl_ctl: FixedKLController | AdaptiveKLController | None = None,
         correction: Callable[..., torch.Tensor] | None = None,
+        token_budget: int | None = None,
     ):
         self.policy, self.reference, self.temperature = policy, reference, temperature
         self.task_rewards, self.needs_logprobs, self.old_logprobs = task_rewards, needs_logprobs, old_logprobs
         self.overlong_filter, self.kl_estimator, self.kl_ctl = overlong_filter, kl_estimator, kl_ctl
-        self.correction = correction
+        self.correction, self.token_budget = correction, token_budget
+
+    @torch.no_grad()
+    def forward(
+        self, fn: Callable[..., torch.Tensor], ids: tuple[torch.Tensor, ...], *, device: torch.device
+    ) -> torch.Tensor:
+        """(N, T) ``fn(prompt_ids, prompt_mask, response_ids, response_mask)`` (0 on padding) of the rows
+        ``ids`` on ``device``, over token-budget micro-batches with ``token_budget``
+        (:func:`~alignlit.modules.micro_batches.forward_in_budget`)."""
+        return forward_in_budget(fn, tuple(t.to(device) for t in ids), self.token_budget)
 
     @torch.no_grad()
     def logprobs(
@@ -110,7 +124,9 @@ class TrajectoryMaker:
         response_ids, response_mask)`` under ``model`` in eval mode (default temperature: the rollout's)."""
         temperature = self.temperature if temperature is None else temperature
         with eval_mode(model):
-            return response_logprobs(model, *(t.to(device) for t in ids), temperature=temperature)
+            return self.forward(
+                partial(response_logprobs, model, temperature=temperature), ids, device=device
+            )
 
     @torch.no_grad()
     def make(
