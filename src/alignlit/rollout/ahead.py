@@ -30,7 +30,7 @@ import torch
 from alignlit.rollout.base import Experience, Rollout
 from alignlit.rollout.collector import Collector
 from alignlit.rollout.partial import SEGMENT_SEED_STRIDE, PartialBatch, SegmentedPipeline
-from alignlit.rollout.reward import reward_counters, score_rollout
+from alignlit.rollout.reward_protocol import reward_counters, score_rollout
 
 Result = tuple[Experience | None, dict[str, float]]
 """An accepted experience (None: nothing to train on) and its metrics."""
