@@ -24,24 +24,10 @@ from alignlit.models.reward import PreferenceModel
 from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, PairwisePrefModule, PtxMix
 from alignlit.rollout import Experience, PreferenceRanking, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING, char_reward, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("sort", "reverse", "copy", "dedupe")
-PROMPTS = [
-    f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i in range(8)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
-
-
-def char_reward(prompts, responses):
-    """Reward = number of 'a' characters minus a tenth of the length (cheap, deterministic)."""
-    return [r.count("a") - 0.1 * len(r) for r in responses]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,19 +21,10 @@ from alignlit.ops import DynamicSampling, Overlong, entropy_from_logits, group_a
 from alignlit.rollout import Experience, RolloutLoop, SamplingParams
 from alignlit.rollout.base import select_groups
 from tests.conftest import TINY
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING, char_reward
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("sort", "reverse", "copy", "dedupe")
-PROMPTS = [
-    f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i in range(8)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
-
-
-def char_reward(prompts, responses):
-    """Reward = number of 'a' characters minus a tenth of the length (cheap, deterministic)."""
-    return [r.count("a") - 0.1 * len(r) for r in responses]
 
 
 def copy_constant_reward(prompts, responses):
