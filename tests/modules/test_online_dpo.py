@@ -17,7 +17,6 @@ from alignlit.models import (
     ABFormat,
     export_pretrained,
     load_preference_model,
-    load_scalar_model,
     make_tiny_llama,
 )
 from alignlit.models.reward import PreferenceModel
@@ -40,15 +39,6 @@ def data_dir(tmp_path_factory):
     )
     offline = [{"prompt": PROMPTS[i], "chosen": f" {'abc'[i]} ok", "rejected": " h h"} for i in range(3)]
     write_jsonl(d / "offline.jsonl", offline)
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("online_dpo_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
     return d
 
 

@@ -14,7 +14,7 @@ import torch
 
 from alignlit.data import PromptDataModule
 from alignlit.losses import masked_nll, policy_gradient_loss, shift_for_next_token
-from alignlit.models import ScalarHeadModel, export_pretrained, load_scalar_model, make_tiny_llama
+from alignlit.models import ScalarHeadModel, export_pretrained, make_tiny_llama
 from alignlit.models.forward import response_logprobs
 from alignlit.modules import KLPenalty, Minibatches, Optim, PolicyGradientModule, PtxMix
 from alignlit.ops import DynamicSampling, Overlong, entropy_from_logits, group_advantages, overlong_penalty
@@ -49,23 +49,6 @@ def data_dir(tmp_path_factory):
     with open(d / "sft.jsonl", "w") as f:
         for i, p in enumerate(PROMPTS):
             f.write(json.dumps({"prompt": p, "response": " a b" if i % 2 else " c"}) + "\n")
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory, tokenizer):
-    """A second tiny policy, so that KL(policy ‖ reference) is not zero."""
-    d = tmp_path_factory.mktemp("pg_ref") / "ref"
-    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, d, stage="init")
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("pg_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
     return d
 
 

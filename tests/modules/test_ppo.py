@@ -40,23 +40,6 @@ def data_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory, tokenizer):
-    """A second tiny policy, so that KL(policy ‖ reference) is not zero."""
-    d = tmp_path_factory.mktemp("ppo_ref") / "ref"
-    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, d, stage="init")
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("ppo_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
-    return d
-
-
 def make_module(tiny_policy_dir, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=5)))
