@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from alignlit.cli import main
-from tests.hostile.stage_world import GUARANTEES, REWARD_CONFIG, A, H, long_prompt, write_jsonl
+from tests.helpers import write_jsonl
+from tests.hostile.stage_world import GUARANTEES, REWARD_CONFIG, A, H, long_prompt
 
 
 def _sample(world, tmp: Path, *extra: str) -> list[str]:
     return ["sample", "--policy", str(world["short_policy"]), "--prompts", str(world["prompts"]),
-            "--out", str(tmp / "r.write_jsonl"), "--n", "2", "--max-new-tokens", "8", "--no-progress", *extra]  # fmt: skip
+            "--out", str(tmp / "r.jsonl"), "--n", "2", "--max-new-tokens", "8", "--no-progress", *extra]  # fmt: skip
 
 
 def test_sample_refuses_prompts_longer_than_the_policys_positions(world, tmp_path, capsys):
@@ -32,8 +33,8 @@ def test_sample_refuses_prompts_longer_than_the_policys_positions(world, tmp_pat
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert re.search(r"1 of 2 prompts do not fit the policy .*short: .*its 48 positions .*at most 40 tokens; the "
-                     r"longest \(.*prompts\.write_jsonl.*\) has \d+.*--prompt-overflow truncate", err), err  # fmt: skip
-    assert not (tmp_path / "r.write_jsonl").exists()
+                     r"longest \(.*prompts\.jsonl.*\) has \d+.*--prompt-overflow truncate", err), err  # fmt: skip
+    assert not (tmp_path / "r.jsonl").exists()
 
 
 def test_sample_refuses_max_new_tokens_beyond_the_positions(world, tmp_path, capsys):
@@ -68,9 +69,9 @@ def test_eval_refuses_prompts_longer_than_the_policys_positions(world, capsys):
 def test_score_refuses_a_max_length_beyond_the_reward_models_positions(world, tmp_path, capsys):
     """Before: `--max-length 1000` on a 256-position model was accepted (a 512-position MiniLM then failed
     with a tensor-size error, a RoPE model scored silently past its positions)."""
-    records = write_jsonl(tmp_path / "r.write_jsonl", [{"prompt": f"{H} copy a{A}", "response": " a"}])
+    records = write_jsonl(tmp_path / "r.jsonl", [{"prompt": f"{H} copy a{A}", "response": " a"}])
     with pytest.raises(SystemExit) as info:
-        main(["score", "--model", str(world["rm"]), "--input", str(records), "--output", str(tmp_path / "o.write_jsonl"),
+        main(["score", "--model", str(world["rm"]), "--input", str(records), "--output", str(tmp_path / "o.jsonl"),
               "--max-length", "1000"])  # fmt: skip
     assert info.value.code == 2
     assert re.search(r"--max-length 1000: max_length=1000 is more than the 256 positions of the reward model",
@@ -79,14 +80,14 @@ def test_score_refuses_a_max_length_beyond_the_reward_models_positions(world, tm
 
 def test_score_counts_what_the_length_limits_cut_and_prints_no_nan(world, tmp_path, capsys):
     """Before: a left-truncated prompt went uncounted, and one record printed "std nan"."""
-    records = write_jsonl(tmp_path / "r.write_jsonl", [{"prompt": long_prompt(80), "response": " a"}])
-    main(["score", "--model", str(world["rm"]), "--input", str(records), "--output", str(tmp_path / "o.write_jsonl"),
+    records = write_jsonl(tmp_path / "r.jsonl", [{"prompt": long_prompt(80), "response": " a"}])
+    main(["score", "--model", str(world["rm"]), "--input", str(records), "--output", str(tmp_path / "o.jsonl"),
           "--max-length", "32"])  # fmt: skip
     out = capsys.readouterr().out
     assert "nan" not in out
     assert "of 1 scored sequences, 1 had their prompt left-truncated and 0 their response cut" in out
     pairs = write_jsonl(
-        tmp_path / "p.write_jsonl", [{"prompt": long_prompt(80), "chosen": " a", "rejected": " a a"}]
+        tmp_path / "p.jsonl", [{"prompt": long_prompt(80), "chosen": " a", "rejected": " a a"}]
     )
     main(["score", "--model", str(world["rm"]), "--pairs", str(pairs), "--max-length", "32",
           "--json", str(tmp_path / "m.json")])  # fmt: skip
