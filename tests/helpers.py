@@ -55,3 +55,16 @@ def write_jsonl(path: Path, rows) -> Path:
     """One JSON object a line; returns ``path``."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def write_sft_file(directory: Path, n: int) -> Path:
+    """``directory/sft.jsonl``: ``n`` prompt/response rows (``sort a c`` -> `` b c ok``, ops and letters cycling)."""
+    ops = ["sort", "reverse", "copy"]
+    rows = [
+        {
+            "prompt": f"\n\nHuman: {ops[i % 3]} {'abcdefgh'[i % 8]} c\n\nAssistant:",
+            "response": f" {'abcdefgh'[(i + 1) % 8]} c ok",
+        }
+        for i in range(n)
+    ]
+    return write_jsonl(directory / "sft.jsonl", rows)
