@@ -68,3 +68,54 @@ def write_sft_file(directory: Path, n: int) -> Path:
         for i in range(n)
     ]
     return write_jsonl(directory / "sft.jsonl", rows)
+
+
+def fit_on_prompts(
+    module,
+    data_dir,
+    tmp_path,
+    *,
+    rollouts,
+    batch_size=4,
+    ckpt_path=None,
+    checkpoint_every=None,
+    val_batches=0,
+    epochs=2,
+    callbacks=(),
+):
+    """``trainer.fit`` of an online stage on ``data_dir/prompts.jsonl`` (a quarter for validation) for
+    ``rollouts`` rollouts over ``epochs`` epochs, on CPU, without logger or progress bar; with
+    ``checkpoint_every``, a checkpoint every that many steps in ``tmp_path/ckpt``."""
+    import lightning as L
+
+    from alignlit.data import PromptDataModule
+
+    callbacks = list(callbacks)
+    if checkpoint_every:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt",
+                every_n_train_steps=checkpoint_every,
+                save_top_k=-1,
+                save_last=False,
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        limit_train_batches=rollouts // epochs,
+        limit_val_batches=val_batches,
+        val_check_interval=1.0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )
+    dm = PromptDataModule(
+        train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=batch_size
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return trainer

@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 
-from alignlit.data import PromptDataModule
 from alignlit.losses import masked_nll, policy_gradient_loss, shift_for_next_token
 from alignlit.models import ScalarHeadModel, export_pretrained, make_tiny_llama
 from alignlit.models.forward import response_logprobs
@@ -23,6 +22,7 @@ from alignlit.rollout.base import select_groups
 from tests.conftest import TINY
 from tests.helpers import OP_PROMPTS as PROMPTS
 from tests.helpers import TIMING, char_reward
+from tests.helpers import fit_on_prompts as fit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -363,50 +363,6 @@ def test_dynamic_sampling_drops_all_equal_groups(tiny_policy_dir):
     assert metrics["dynamic/informative_frac"] == 0.5 and metrics["dynamic/groups"] == 2.0
     assert metrics["dynamic/full"] == 0.0 and metrics["dynamic/tries"] == 0.0
     assert metrics["reward/raw"] == pytest.approx(exp.rewards.mean().item())
-
-
-def fit(
-    module,
-    data_dir,
-    tmp_path,
-    *,
-    rollouts,
-    batch_size=4,
-    ckpt_path=None,
-    checkpoint_every=None,
-    val_batches=0,
-    epochs=2,
-    callbacks=(),
-):
-    callbacks = list(callbacks)
-    if checkpoint_every:
-        callbacks.append(
-            L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=tmp_path / "ckpt",
-                every_n_train_steps=checkpoint_every,
-                save_top_k=-1,
-                save_last=False,
-            )
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        limit_train_batches=rollouts // epochs,
-        limit_val_batches=val_batches,
-        val_check_interval=1.0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmp_path,
-    )
-    dm = PromptDataModule(
-        train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=batch_size
-    )
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return trainer
 
 
 def test_dynamic_sampling_refills_within_the_bound(tiny_policy_dir, data_dir, tmp_path):

@@ -3,6 +3,7 @@ placement, reward normalisation, critic pre-training, reference baseline, exact 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -23,7 +24,7 @@ from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams
 from alignlit.rollout.collector import sample_metrics
 from tests.conftest import TINY
 from tests.helpers import OP_PROMPTS as PROMPTS
-from tests.helpers import TIMING, char_reward
+from tests.helpers import TIMING, char_reward, fit_on_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,34 +209,7 @@ def test_reference_baseline_is_sampled_once_per_prompt(tiny_policy_dir):
 
 
 # ---------------------------------------------------------------------- fit, resume
-def fit(module, data_dir, tmp_path, *, rollouts, ckpt_path=None, checkpoint_every=None, val_batches=1):
-    callbacks = []
-    if checkpoint_every:
-        callbacks.append(
-            L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=tmp_path / "ckpt",
-                every_n_train_steps=checkpoint_every,
-                save_top_k=-1,
-                save_last=False,
-            )
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=rollouts // 2,
-        limit_val_batches=val_batches,
-        val_check_interval=1.0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmp_path,
-    )
-    dm = PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=4)
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return trainer
+fit = functools.partial(fit_on_prompts, val_batches=1)
 
 
 def resume_module(tiny_policy_dir, reference_dir, data_dir):
