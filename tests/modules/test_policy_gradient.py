@@ -42,16 +42,6 @@ def doubled_dr_grpo(rewards, *, eps):
     return 2 * (rewards - rewards.mean(dim=1, keepdim=True))
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pg_data")
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    with open(d / "sft.jsonl", "w") as f:
-        for i, p in enumerate(PROMPTS):
-            f.write(json.dumps({"prompt": p, "response": " a b" if i % 2 else " c"}) + "\n")
-    return d
-
-
 def make_module(tiny_policy_dir, *, n=4, max_new_tokens=5, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault(

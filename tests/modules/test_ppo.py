@@ -29,18 +29,6 @@ from tests.helpers import TIMING, char_reward, fit_on_prompts
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppo_data")
-    with open(d / "prompts.jsonl", "w") as f:
-        for p in PROMPTS:
-            f.write(json.dumps({"prompt": p}) + "\n")
-    with open(d / "sft.jsonl", "w") as f:
-        for i, p in enumerate(PROMPTS):
-            f.write(json.dumps({"prompt": p, "response": " a b" if i % 2 else " c"}) + "\n")
-    return d
-
-
 def make_module(tiny_policy_dir, **kwargs):
     kwargs.setdefault("reward", char_reward)
     kwargs.setdefault("rollout", RolloutLoop(sampling=SamplingParams(max_new_tokens=5)))
