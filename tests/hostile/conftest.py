@@ -1,4 +1,4 @@
-"""Fixtures of the command-line tests in tests/hostile."""
+"""Fixtures of the command-line tests in tests/hostile (test_commands.py defines its own ``world``)."""
 
 from __future__ import annotations
 
