@@ -15,22 +15,14 @@ import pytest
 from alignlit.eval.gold import best_of_n, evaluate_policy, format_table, sample_responses, win_rate
 from alignlit.models import load_policy
 from alignlit.rollout import SamplingParams
+from tests.helpers import EVAL_PROMPTS as PROMPTS
+from tests.helpers import n_chars
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_quality  # noqa: E402
 import harness  # noqa: E402
-
-PROMPTS = [
-    "\n\nHuman: sort c a\n\nAssistant:",
-    "\n\nHuman: copy b d\n\nAssistant:",
-    "\n\nHuman: reverse a b\n\nAssistant:",
-]
-
-
-def n_chars(prompts, responses):
-    return [float(len(r)) for r in responses]
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,7 @@ from alignlit.data import (
     split_indices,
 )
 from alignlit.data.records import Record
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.helpers import write_jsonl
 
 
 def test_read_jsonl_gz_json_parquet(tmp_path):

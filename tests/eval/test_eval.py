@@ -6,16 +6,8 @@ import torch
 from alignlit.eval.gold import best_of_n, evaluate_policy, format_table, kl_to_reference, sample_responses
 from alignlit.models import load_policy
 from alignlit.rollout import SamplingParams
-
-PROMPTS = [
-    "\n\nHuman: sort c a\n\nAssistant:",
-    "\n\nHuman: copy b d\n\nAssistant:",
-    "\n\nHuman: reverse a b\n\nAssistant:",
-]
-
-
-def n_chars(prompts, responses):
-    return [float(len(r)) for r in responses]
+from tests.helpers import EVAL_PROMPTS as PROMPTS
+from tests.helpers import n_chars
 
 
 def minus_chars(prompts, responses):

@@ -1,4 +1,4 @@
-"""Reliability, round three, item 8 (issue 36): a finished ``max_staleness = 1`` run resumed with a larger
+"""Resuming an asynchronous run (issue 36, item 8): a finished ``max_staleness = 1`` run resumed with a larger
 ``max_epochs`` generated its first batch after the resume at staleness 0 (a straight run: 1), so it differed
 from the run made that long from the start, without a word. The weights that batch would need are gone, so
 the resume cannot be exact: it now prints a notice naming the steps. A checkpoint taken mid-run (which holds

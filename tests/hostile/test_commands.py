@@ -21,6 +21,7 @@ from alignlit.callbacks import DivergenceError
 from alignlit.checkpoint_io import CheckpointError
 from alignlit.cli import main
 from alignlit.models import ExportDirError, NotARewardModelError, export_pretrained, load_scalar_model
+from tests.helpers import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_CONFIG = str(ROOT / "configs/quickstart/sft.yaml")
@@ -367,25 +368,20 @@ CASES = [
 ]
 
 
-def _write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tokenizer_dir, tiny_policy_dir):
     """The files the cases name, made once: data, a reward model, broken checkpoints, user folders."""
     d = tmp_path_factory.mktemp("hostile")
     files = {"tokenizer": tokenizer_dir, "policy": tiny_policy_dir}
-    files["sft"] = _write_jsonl(
+    files["sft"] = write_jsonl(
         d / "sft.jsonl",
         [{"prompt": f"{H} copy a b{A}", "response": f" a b {'ok ' * (i % 3)}"} for i in range(12)],
     )
-    files["records"] = _write_jsonl(d / "records.jsonl", [{"prompt": f"{H} copy a{A}", "response": " a"}])
-    files["pairs"] = _write_jsonl(
+    files["records"] = write_jsonl(d / "records.jsonl", [{"prompt": f"{H} copy a{A}", "response": " a"}])
+    files["pairs"] = write_jsonl(
         d / "pairs.jsonl", [{"prompt": f"{H} copy a{A}", "chosen": " a", "rejected": " a a a"}] * 3
     )
-    files["prompts"] = _write_jsonl(d / "prompts.jsonl", [{"prompt": f"{H} sort b a{A}"}] * 2)
+    files["prompts"] = write_jsonl(d / "prompts.jsonl", [{"prompt": f"{H} sort b a{A}"}] * 2)
     files["sim"] = d / "sim"
     files["sim"].mkdir()
     (files["sim"] / "manifest.json").write_text(json.dumps({"task": {"ops": ["sort", "copy"]}}))

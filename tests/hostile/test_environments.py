@@ -1,4 +1,4 @@
-"""Reliability, round three, environment values (issue 36): each case failed on main before the fix.
+"""Environment values (issue 36): each case failed on main before the fix.
 
 - ``done`` was not type-checked: ``"False"`` ended the episode; a numpy bool is still accepted;
 - a ``numpy.float32`` reward was refused as "expected a real number"; a reward of 1e39 failed later with

@@ -1,4 +1,4 @@
-"""Reliability, round three, reasoning-gym data (issue 36): a draw from a small task space repeats questions
+"""Reasoning-gym data (issue 36): a draw from a small task space repeats questions
 and puts training questions in validation, without a word. The repeats are now counted and printed, a
 validation question that is a training question is removed (counted, printed), and a validation draw left
 empty is refused. Expected values come from reasoning-gym's own draw, computed here independently."""

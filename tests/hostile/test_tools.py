@@ -1,4 +1,4 @@
-"""Reliability, round three, tools (issue 36): each case failed on main before the fix, and passes after.
+"""Tools (issue 36): each case failed on main before the fix, and passes after.
 
 - a tool that sleeps hung the rollout: every tool call is bounded by ``tool_timeout_s``, answered with an
   ``error: ...`` reply and counted (``episode/tool_timeouts``);

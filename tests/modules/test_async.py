@@ -26,12 +26,9 @@ from alignlit.modules import (
 )
 from alignlit.ops import DynamicSampling
 from alignlit.rollout import RolloutLoop, SamplingParams
+from tests.helpers import char_reward, op_prompts
 
-PROMPTS = [
-    f"\n\nHuman: {('sort', 'reverse', 'copy', 'dedupe')[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}"
-    "\n\nAssistant:"
-    for i in range(12)
-]
+PROMPTS = op_prompts(12)
 VARYING = (
     "time/",
     "rollout/sync_s",
@@ -40,10 +37,6 @@ VARYING = (
     "rollout/score_s",
     "async/wait_s",
 )
-
-
-def char_reward(prompts, responses):
-    return [r.count("a") - 0.1 * len(r) for r in responses]
 
 
 @pytest.fixture(scope="module")

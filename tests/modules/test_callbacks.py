@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import lightning as L
@@ -20,24 +19,7 @@ from alignlit.data import SFTDataModule
 from alignlit.models import ExportDirError, TinyLlama, make_tiny_llama
 from alignlit.modules import Optim, SFTModule
 from tests.conftest import TINY
-
-
-def _sft_data(tmp_path, n=40):
-    f = tmp_path / "sft.jsonl"
-    ops = ["sort", "reverse", "copy"]
-    f.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "prompt": f"\n\nHuman: {ops[i % 3]} {'abcdefgh'[i % 8]} c\n\nAssistant:",
-                    "response": f" {'abcdefgh'[(i + 1) % 8]} c ok",
-                }
-            )
-            + "\n"
-            for i in range(n)
-        )
-    )
-    return f
+from tests.helpers import write_sft_file
 
 
 def _trainer(tmp_path, max_steps, callbacks=(), clip=None):
@@ -72,7 +54,7 @@ def test_divergent_sft_stops_naming_the_step_and_exports_nothing(tmp_path, token
     """lr 10 (the largest AdamW learning rate alignlit accepts): the weights' norm passes 100x its start
     at the first step; the run stops there with an error naming the step, and nothing is exported."""
     module = _sft(tokenizer_dir, lr=10.0, export_dir=str(tmp_path / "export"))
-    dm = SFTDataModule(str(_sft_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
+    dm = SFTDataModule(str(write_sft_file(tmp_path, 40)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = _trainer(tmp_path, max_steps=30)
     with pytest.raises(
         DivergenceError, match=r"training diverged at global step (\d+): the trainable weights' norm"
@@ -86,7 +68,7 @@ def test_divergent_sft_stops_naming_the_step_and_exports_nothing(tmp_path, token
 def test_healthy_sft_is_untouched(tmp_path, tokenizer_dir):
     """lr 1e-3 for 30 steps: no error; the monitor saw a falling loss and a weight norm close to its start."""
     module = _sft(tokenizer_dir, lr=1e-3)
-    dm = SFTDataModule(str(_sft_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
+    dm = SFTDataModule(str(write_sft_file(tmp_path, 40)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = _trainer(tmp_path, max_steps=30, clip=1.0)
     trainer.fit(module, dm)
     assert trainer.global_step == 30
@@ -238,7 +220,7 @@ def test_export_dir_is_checked_before_training(tmp_path, tokenizer_dir):
     target = tmp_path / "notes.txt"
     target.write_text("mine")
     module = _sft(tokenizer_dir, lr=1e-3, export_dir=str(target))
-    dm = SFTDataModule(str(_sft_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
+    dm = SFTDataModule(str(write_sft_file(tmp_path, 40)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = _trainer(tmp_path, max_steps=3)
     with pytest.raises(ExportDirError, match=r"notes\.txt' is a file, not a directory"):
         trainer.fit(module, dm)

@@ -17,10 +17,9 @@ from alignlit.modules import Minibatches, PPOModule
 from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
 from alignlit.rollout.reward_protocol import resolve_reward
 from tests.conftest import TINY
+from tests.helpers import op_prompts
 
-PROMPTS = [
-    f"\n\nHuman: sort {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:" for i in range(6)
-]
+PROMPTS = op_prompts(6, ops=("sort",))
 
 
 def length_reward(prompts, responses):

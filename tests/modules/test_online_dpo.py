@@ -17,7 +17,6 @@ from alignlit.models import (
     ABFormat,
     export_pretrained,
     load_preference_model,
-    load_scalar_model,
     make_tiny_llama,
 )
 from alignlit.models.reward_model import PreferenceModel
@@ -25,24 +24,10 @@ from alignlit.modules import KLPenalty, Minibatches, OnlineDPOModule, Optim, Pai
 from alignlit.rewards import PreferenceRanking
 from alignlit.rollout import Experience, Rollout, RolloutLoop, SamplingParams
 from tests.conftest import TINY
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING, char_reward, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("sort", "reverse", "copy", "dedupe")
-PROMPTS = [
-    f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i in range(8)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
-
-
-def char_reward(prompts, responses):
-    """Reward = number of 'a' characters minus a tenth of the length (cheap, deterministic)."""
-    return [r.count("a") - 0.1 * len(r) for r in responses]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +40,6 @@ def data_dir(tmp_path_factory):
     )
     offline = [{"prompt": PROMPTS[i], "chosen": f" {'abc'[i]} ok", "rejected": " h h"} for i in range(3)]
     write_jsonl(d / "offline.jsonl", offline)
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("online_dpo_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
     return d
 
 

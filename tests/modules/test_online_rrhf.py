@@ -13,7 +13,7 @@ import torch
 from alignlit.data.encoding import Truncation
 from alignlit.data.ranking import RankingExample, collate_ranking
 from alignlit.losses import rrhf_loss
-from alignlit.models import export_pretrained, load_scalar_model, make_tiny_llama
+from alignlit.models import export_pretrained, make_tiny_llama
 from alignlit.models.forward import token_logprobs
 from alignlit.modules import KLPenalty, Minibatches, OnlineRRHFModule, Optim
 from alignlit.modules.online_rrhf import read_extra_responses
@@ -35,22 +35,6 @@ def data_dir(tmp_path_factory):
         {"prompt": PROMPTS[1], "response": " a"},
     ]
     write_jsonl(d / "extras.jsonl", extras)
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory, tokenizer):
-    """A second tiny policy, so that KL(policy ‖ reference) is not zero."""
-    d = tmp_path_factory.mktemp("online_rrhf_ref") / "ref"
-    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, d, stage="init")
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("online_rrhf_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
     return d
 
 

@@ -12,28 +12,19 @@ import lightning as L
 import pytest
 import torch
 
-from alignlit.data import PromptDataModule
 from alignlit.losses import masked_nll, policy_gradient_loss, shift_for_next_token
-from alignlit.models import ScalarHeadModel, export_pretrained, load_scalar_model, make_tiny_llama
+from alignlit.models import ScalarHeadModel, export_pretrained, make_tiny_llama
 from alignlit.models.forward import response_logprobs
 from alignlit.modules import KLPenalty, Minibatches, Optim, PolicyGradientModule, PtxMix
 from alignlit.ops import DynamicSampling, Overlong, entropy_from_logits, group_advantages, overlong_penalty
 from alignlit.rollout import Experience, RolloutLoop, SamplingParams
 from alignlit.rollout.base import select_groups
 from tests.conftest import TINY
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING, char_reward
+from tests.helpers import fit_on_prompts as fit
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("sort", "reverse", "copy", "dedupe")
-PROMPTS = [
-    f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i in range(8)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
-
-
-def char_reward(prompts, responses):
-    """Reward = number of 'a' characters minus a tenth of the length (cheap, deterministic)."""
-    return [r.count("a") - 0.1 * len(r) for r in responses]
 
 
 def copy_constant_reward(prompts, responses):
@@ -49,33 +40,6 @@ def constant_reward(prompts, responses):
 def doubled_dr_grpo(rewards, *, eps):
     """An estimator given to the module by dotted path: 2·(r - mean_j r)."""
     return 2 * (rewards - rewards.mean(dim=1, keepdim=True))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pg_data")
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    with open(d / "sft.jsonl", "w") as f:
-        for i, p in enumerate(PROMPTS):
-            f.write(json.dumps({"prompt": p, "response": " a b" if i % 2 else " c"}) + "\n")
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory, tokenizer):
-    """A second tiny policy, so that KL(policy ‖ reference) is not zero."""
-    d = tmp_path_factory.mktemp("pg_ref") / "ref"
-    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, d, stage="init")
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("pg_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
-    return d
 
 
 def make_module(tiny_policy_dir, *, n=4, max_new_tokens=5, **kwargs):
@@ -389,50 +353,6 @@ def test_dynamic_sampling_drops_all_equal_groups(tiny_policy_dir):
     assert metrics["dynamic/informative_frac"] == 0.5 and metrics["dynamic/groups"] == 2.0
     assert metrics["dynamic/full"] == 0.0 and metrics["dynamic/tries"] == 0.0
     assert metrics["reward/raw"] == pytest.approx(exp.rewards.mean().item())
-
-
-def fit(
-    module,
-    data_dir,
-    tmp_path,
-    *,
-    rollouts,
-    batch_size=4,
-    ckpt_path=None,
-    checkpoint_every=None,
-    val_batches=0,
-    epochs=2,
-    callbacks=(),
-):
-    callbacks = list(callbacks)
-    if checkpoint_every:
-        callbacks.append(
-            L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=tmp_path / "ckpt",
-                every_n_train_steps=checkpoint_every,
-                save_top_k=-1,
-                save_last=False,
-            )
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        limit_train_batches=rollouts // epochs,
-        limit_val_batches=val_batches,
-        val_check_interval=1.0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmp_path,
-    )
-    dm = PromptDataModule(
-        train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=batch_size
-    )
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return trainer
 
 
 def test_dynamic_sampling_refills_within_the_bound(tiny_policy_dir, data_dir, tmp_path):

@@ -3,6 +3,7 @@ placement, reward normalisation, critic pre-training, reference baseline, exact 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,48 +23,10 @@ from alignlit.ops import (
 from alignlit.rollout import HFEngine, PromptFilter, RolloutLoop, SamplingParams
 from alignlit.rollout.collector import sample_metrics
 from tests.conftest import TINY
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING, char_reward, fit_on_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("sort", "reverse", "copy", "dedupe")
-PROMPTS = [
-    f"\n\nHuman: {OPS[i % 4]} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i in range(8)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
-
-
-def char_reward(prompts, responses):
-    """Reward = number of 'a' characters minus a tenth of the length (cheap, deterministic)."""
-    return [r.count("a") - 0.1 * len(r) for r in responses]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppo_data")
-    with open(d / "prompts.jsonl", "w") as f:
-        for p in PROMPTS:
-            f.write(json.dumps({"prompt": p}) + "\n")
-    with open(d / "sft.jsonl", "w") as f:
-        for i, p in enumerate(PROMPTS):
-            f.write(json.dumps({"prompt": p, "response": " a b" if i % 2 else " c"}) + "\n")
-    return d
-
-
-@pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory, tokenizer):
-    """A second tiny policy, so that KL(policy ‖ reference) is not zero."""
-    d = tmp_path_factory.mktemp("ppo_ref") / "ref"
-    export_pretrained(make_tiny_llama(tokenizer, seed=1, **TINY), tokenizer, d, stage="init")
-    return d
-
-
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory, tiny_policy_dir):
-    """A reward-model export (the tiny policy's backbone with a scalar head)."""
-    rm, rm_tokenizer = load_scalar_model(tiny_policy_dir)
-    d = tmp_path_factory.mktemp("ppo_rm") / "rm"
-    export_pretrained(rm, rm_tokenizer, d, stage="reward")
-    return d
 
 
 def make_module(tiny_policy_dir, **kwargs):
@@ -234,34 +197,7 @@ def test_reference_baseline_is_sampled_once_per_prompt(tiny_policy_dir):
 
 
 # ---------------------------------------------------------------------- fit, resume
-def fit(module, data_dir, tmp_path, *, rollouts, ckpt_path=None, checkpoint_every=None, val_batches=1):
-    callbacks = []
-    if checkpoint_every:
-        callbacks.append(
-            L.pytorch.callbacks.ModelCheckpoint(
-                dirpath=tmp_path / "ckpt",
-                every_n_train_steps=checkpoint_every,
-                save_top_k=-1,
-                save_last=False,
-            )
-        )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        limit_train_batches=rollouts // 2,
-        limit_val_batches=val_batches,
-        val_check_interval=1.0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=bool(checkpoint_every),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        default_root_dir=tmp_path,
-    )
-    dm = PromptDataModule(train_file=str(data_dir / "prompts.jsonl"), val_fraction=0.25, batch_size=4)
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return trainer
+fit = functools.partial(fit_on_prompts, val_batches=1)
 
 
 def resume_module(tiny_policy_dir, reference_dir, data_dir):

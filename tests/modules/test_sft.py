@@ -10,6 +10,7 @@ from alignlit.models import TinyLlama, load_policy, read_metadata
 from alignlit.modules import Optim, SFTModule
 from alignlit.modules.base import check_finite, warmup_cosine
 from tests.conftest import TINY
+from tests.helpers import write_sft_file
 
 
 class Killed(Exception):
@@ -26,24 +27,6 @@ class Record(Callback):
             raise Killed  # the process dies here, mid-epoch
 
 
-def _data(tmp_path, n=48):
-    f = tmp_path / "sft.jsonl"
-    ops = ["sort", "reverse", "copy"]
-    f.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "prompt": f"\n\nHuman: {ops[i % 3]} {'abcdefgh'[i % 8]} c\n\nAssistant:",
-                    "response": f" {'abcdefgh'[(i + 1) % 8]} c ok",
-                }
-            )
-            + "\n"
-            for i in range(n)
-        )
-    )
-    return f
-
-
 def _run(
     tmp_path, tokenizer_dir, ckpt_dir, *, max_steps=-1, max_epochs=None, callbacks, ckpt_path=None, every=3
 ):
@@ -51,7 +34,7 @@ def _run(
     module = SFTModule(
         policy=TinyLlama(tokenizer=str(tokenizer_dir), **TINY), optim=Optim(lr=1e-3, warmup_steps=2)
     )
-    dm = SFTDataModule(str(_data(tmp_path)), batch_size=5, val_fraction=0.0, seed=0)
+    dm = SFTDataModule(str(write_sft_file(tmp_path, 48)), batch_size=5, val_fraction=0.0, seed=0)
     trainer = L.Trainer(
         max_steps=max_steps,
         max_epochs=max_epochs,

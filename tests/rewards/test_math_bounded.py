@@ -22,6 +22,7 @@ from alignlit.rewards import verify_pool
 from alignlit.rewards._verify_worker import final_answer, normalize_digits
 from alignlit.rewards.math import MathVerifyReward, gold_answer, has_final_answer_format
 from alignlit.rollout.reward_protocol import score_texts
+from tests.helpers import write_jsonl
 
 GSM8K = Path("/work/shared/data/gsm8k/test.jsonl.gz")
 
@@ -30,11 +31,6 @@ GSM8K = Path("/work/shared/data/gsm8k/test.jsonl.gz")
 def reward():
     with MathVerifyReward(timeout_s=5.0) as r:
         yield r
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def test_gold_answer_reduces_gsm8k_solutions():

@@ -20,12 +20,7 @@ from alignlit.rollout import (
 )
 from alignlit.rollout.postprocess import stop_cut
 from tests.conftest import TINY
-
-PROMPTS = [
-    "\n\nHuman: sort a b c\n\nAssistant:",
-    "\n\nHuman: copy d\n\nAssistant:",
-    "\n\nHuman: reverse h g f e d\n\nAssistant:",
-]
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from jsonargparse import ArgumentParser
 from alignlit.models import make_tiny_llama
 from alignlit.rollout import HFEngine, HFEngineOptions, RolloutLoop, SamplingParams
 from tests.conftest import TINY
+from tests.helpers import TWO_PROMPTS as PROMPTS
 from tests.test_configs import CONFIG_DIR, ParseOnly
 
-PROMPTS = ["\n\nHuman: sort c a b\n\nAssistant:", "\n\nHuman: copy d\n\nAssistant:"]
 STATIC_SHARED = HFEngineOptions(kv_cache="static", share_prompt=True)
 
 

@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from tests.conftest import TINY
+from tests.helpers import op_prompts
 
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "launch-recipe-test-key-0123456789"
-PROMPTS = [
-    f"\n\nHuman: sort {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:" for i in range(8)
-]
+PROMPTS = op_prompts(8, ops=("sort",))
 
 
 def length_reward(prompts, responses):

@@ -15,12 +15,8 @@ from alignlit.data import PromptDataModule
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule, PPOModule
 from alignlit.rollout import EpisodeReturn, RolloutLoop, SamplingParams
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment, make_data
-
-PROMPTS = [
-    f"\n\nHuman: {op} {' '.join('abcdefgh'[(i + j) % 8] for j in range(3))}\n\nAssistant:"
-    for i, op in enumerate(["sort", "reverse", "copy", "dedupe"] * 2)
-]
-TIMING = ("time/", "rollout/sync_s", "rollout/generate_s", "rollout/tokens_per_s", "rollout/score_s")
+from tests.helpers import OP_PROMPTS as PROMPTS
+from tests.helpers import TIMING
 
 
 def loop(n=2, seed=0):

@@ -16,8 +16,7 @@ from alignlit.rollout import HFEngine, SamplingParams
 from alignlit.rollout.hf_worker import HFWorkerEngine, WeightSyncError, state_checksum
 from alignlit.rollout.pipeline import RolloutPipeline, WeightSnapshot
 from tests.conftest import TINY
-
-PROMPTS = ["\n\nHuman: sort c a b\n\nAssistant:", "\n\nHuman: copy d\n\nAssistant:"]
+from tests.helpers import TWO_PROMPTS as PROMPTS
 
 
 class FakeEngine:

@@ -24,15 +24,11 @@ from alignlit.rollout import (
     logprob_parity,
 )
 from tests.conftest import TINY
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.vllm
 
 
-PROMPTS = [
-    "\n\nHuman: sort a b c\n\nAssistant:",
-    "\n\nHuman: copy d\n\nAssistant:",
-    "\n\nHuman: reverse h g f e d\n\nAssistant:",
-]
 # Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache holds blocks of it.
 LONG_PROMPT = "\n\nHuman: sort " + " ".join("abcdefgh"[i % 8] for i in range(150)) + "\n\nAssistant:"
 

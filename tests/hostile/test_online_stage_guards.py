@@ -1,5 +1,5 @@
-"""Reliability, round two, inside the online stages: each case failed (silently) on main before the fix it
-names, and passes after.
+"""Guards of the online stages: each case failed (silently) on main before the fix it names, and passes
+after.
 
 - the prompt filter's kept prompts are saved in the checkpoint: a resume trains on them, it does not run
   the filter again with the trained weights (which kept other prompts);
@@ -35,7 +35,7 @@ def copy_constant(prompts, responses):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("online_round2") / "prompts.jsonl"
+    path = tmp_path_factory.mktemp("online_guards") / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return path
 
