@@ -42,9 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quality import mean_std, pm, read_json
+from harness import mean_std, pm, quickstart_stages, read_json, stamp
 from harness import prepare as harness_prepare
-from harness import quickstart_stages, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {

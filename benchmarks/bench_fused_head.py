@@ -39,8 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alignlit.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _tiling, linear_logprobs
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
-from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
+from harness import allocation_peak, stamp  # benchmarks/ is on sys.path when a script runs
 
 BASELINE = "e331e12a0b8567b83f4ce3b8c37f6392dd839090"  # the last row-chunked linear_logprobs
 

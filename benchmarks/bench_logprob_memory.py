@@ -43,8 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignlit.models.forward import token_logprobs
 from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
-from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
+from harness import allocation_peak, stamp  # benchmarks/ is on sys.path when a script runs
 
 
 def peak_bytes(fn) -> int:

@@ -16,7 +16,7 @@ training curves: the largest KL(π‖π0) and response length seen during traini
 table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the arms' training curves
 in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
-The benchmark is a list of cells (benchmarks/harness.py): one training cell per arm (reused when
+The benchmark is a list of cells (benchmarks/harness/): one training cell per arm (reused when
 ``<out>/<arm>/run.json`` records the same command and the export is complete) and one evaluation cell
 per policy (cached under ``<out>/cells/`` with the policy's training command), so a stopped run resumes.
 

@@ -59,7 +59,10 @@ from harness import (
     config_args,
     config_sha256,
     config_stack,
+    fmt_s,
     get_key,
+    mean_std,
+    pm,
     read_config,
     read_json,
     run_alignlit,
@@ -355,15 +358,6 @@ def estimate(cell: Cell, measured: dict[str, list[float]], scale: float) -> floa
     return ESTIMATE_S.get(kind, 200) * scale
 
 
-def fmt_s(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-        if seconds >= 3600
-        else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
-
-
 # --- running --------------------------------------------------------------------------------------
 
 
@@ -563,14 +557,6 @@ class Bench:
         print(f"bench_quality: {done}/{len(cells)} cells done; ETA {fmt_s(left)}", flush=True)
 
 
-def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
-    """Mean and sample std of the values that are not None (std None for fewer than two)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
 def choose(records: list[dict], max_kl: float | None = None) -> dict:
     """The validation record with the highest mean gold; with ``max_kl``, among the records whose KL to
     SFT is at most ``max_kl`` (when none is, the one with the lowest KL)."""
@@ -604,12 +590,6 @@ def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     ):
         out[key], out[f"{key}_std"] = mean_std(values)
     return out
-
-
-def pm(mean, std, digits=3) -> str:
-    if mean is None:
-        return ""
-    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
 
 
 def format_table(table: list[dict], with_pass_rate: bool = False) -> str:

@@ -10,7 +10,7 @@ Every later performance decision is made at this shape (issue 31 item 8). What r
   ``<|endoftext|>`` / ``<|im_start|>`` / ``<|im_end|>``, ChatML template) but with ``--bpe-vocab`` 32,000
   asked (GSM8K's text runs out of merges at 23,607 ids). **Its token counts are not Qwen's**: the length
   table reports them, with word counts beside;
-- **model**: Qwen2.5-0.5B's architecture with random weights (``bench_memory.QWEN``: vocabulary 151,936,
+- **model**: Qwen2.5-0.5B's architecture with random weights (``harness.QWEN``: vocabulary 151,936,
   hidden 896, MLP 4864, 14 query / 2 key-value heads of 64, tied embeddings) with ``--layers`` of its 24
   layers, float32 (``machine.bf16_native`` in the JSON says whether the CPU has avx512_bf16/amx_bf16;
   the 2026-11-28 machine does, bfloat16 is not measured here). The embedding and LM head have the real
@@ -68,8 +68,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_memory import QWEN  # noqa: E402
-from harness import stamp  # noqa: E402
+from harness import QWEN, stamp  # noqa: E402
 
 GSM8K = Path("/work/shared/data/gsm8k/train.jsonl.gz")
 if not GSM8K.is_file():

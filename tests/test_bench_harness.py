@@ -158,3 +158,14 @@ def test_a_failing_alignlit_run_names_itself_and_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"demo failed \(exit 2; log .*fit\.log\)"):
         harness.run_alignlit("demo", ["fit", "--no-such-option"], tmp_path, tmp_path / "fit.log")
     assert (tmp_path / "fit.log").read_text()
+
+
+def test_shared_helpers_mean_std_pm_fmt_s():
+    assert harness.mean_std([1.0, None, 3.0]) == (2.0, pytest.approx(2**0.5))
+    assert harness.mean_std([2.0]) == (2.0, None) and harness.mean_std([None]) == (None, None)
+    assert (
+        harness.pm(0.5, 0.25) == "0.500 ± 0.250"
+        and harness.pm(0.5, None, 1) == "0.5"
+        and harness.pm(None, 1) == ""
+    )
+    assert harness.fmt_s(65) == "1m05s" and harness.fmt_s(3725) == "1h02m"

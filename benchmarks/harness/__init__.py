@@ -14,7 +14,7 @@ import hashlib
 import itertools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 SCALES = ("quickstart", "paper")
 COMMAND = "#   alignlit fit --config "
@@ -463,3 +463,57 @@ def quickstart_stages(root: Path) -> list[tuple]:
         (root / "out/quickstart/sft/config.json", ["fit", *config_args("sft")]),
         (root / "out/quickstart/reward/config.json", ["fit", *config_args("reward")]),
     ]
+
+
+# --- helpers several benchmarks share ----------------------------------------------------------------
+
+QWEN = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+)  # fmt: skip  # Qwen2.5-0.5B's architecture (a Qwen2Config's keys); the benchmarks give it random weights
+
+
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample std of the values that are not None (std None for fewer than two)."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def pm(mean, std, digits=3) -> str:
+    """``mean ± std`` (``mean`` alone without a std, empty without a mean)."""
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def fmt_s(seconds: float) -> str:
+    """``1h02m`` / ``3m05s``."""
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def allocation_peak(prof) -> int:
+    """Most bytes the CPU allocator held at once above its level at the start of a finished
+    ``torch.profiler.profile(profile_memory=True)`` run (its allocation events, in time order)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
