@@ -52,19 +52,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_quality import (
-    ROOT,
-    TINY_DATA,
+from harness import (
+    config_args,
+    config_sha256,
+    config_stack,
     fmt_s,
     get_key,
     mean_std,
-    out_prefix,
     pm,
+    read_config,
     read_json,
     run_alignlit,
-    run_overrides,
+    stamp,
 )
-from harness import config_args, config_sha256, config_stack, read_config, stamp
+from harness.quality import ROOT, TINY_DATA, out_prefix, run_overrides
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from alignlit.rollout import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_quality  # noqa: E402
 import harness  # noqa: E402
+from harness import quality as bench_quality  # noqa: E402
 
 PROMPTS = [
     "\n\nHuman: sort c a\n\nAssistant:",

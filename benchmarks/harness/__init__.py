@@ -245,7 +245,7 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 def write_results(
     name: str,
-    data: dict,
+    data: dict | None,
     *,
     command: str | None = None,
     table: str | None = None,
@@ -254,7 +254,8 @@ def write_results(
     results_dir: str | Path = RESULTS,
 ) -> dict[str, Path]:
     """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine``, ``commit``, ``date``), and with
-    ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png``.
+    ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png`` (``plot`` a
+    dict ``{file name: plot}``: those files, keyed by stem in the returned paths).
     ``nox -s bench -- <name>`` runs ``command`` again."""
     import json
     import time
@@ -262,21 +263,24 @@ def write_results(
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     command = command or command_line()
-    record = {"name": name, "command": command, **data}
+    record = {"name": name, "command": command, **(data or {})}
     record.setdefault("machine", machine())
     record.setdefault("commit", commit())
     record.setdefault("date", time.strftime("%Y-%m-%d"))
-    out = {"json": results_dir / f"{name}.json"}
-    out["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
+    out = {}
+    if data is not None:  # None: a table (and plot) only, its command in the table's last lines
+        out["json"] = results_dir / f"{name}.json"
+        out["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
     if table is not None:
         head = f"# {title}\n\n" if title else ""
         where = record["commit"].get("commit") if isinstance(record["commit"], dict) else record["commit"]
         foot = f"\n\nCommand: `{command}`\n\nMachine: {_machine_line(record['machine'])}; commit {where}; {record['date']}\n"
         out["md"] = results_dir / f"{name}.md"
         out["md"].write_text(head + table.rstrip() + foot)
-    if plot is not None:
-        out["png"] = results_dir / f"{name}.png"
-        plot(out["png"])
+    plots = plot if isinstance(plot, dict) else {f"{name}.png": plot} if plot is not None else {}
+    for file, draw in plots.items():  # a dict names its files: {"quality_frontier.png": draw, ...}
+        out[Path(file).stem if isinstance(plot, dict) else "png"] = results_dir / file
+        draw(results_dir / file)
     return out
 
 
