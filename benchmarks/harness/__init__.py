@@ -253,7 +253,7 @@ def write_results(
     plot=None,
     results_dir: str | Path = RESULTS,
 ) -> dict[str, Path]:
-    """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine``, ``commit``, ``date``), and with
+    """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine`` (its own keys kept), ``commit``, ``date``), and with
     ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png`` (``plot`` a
     dict ``{file name: plot}``: those files, keyed by stem in the returned paths).
     ``nox -s bench -- <name>`` runs ``command`` again."""
@@ -264,7 +264,8 @@ def write_results(
     results_dir.mkdir(parents=True, exist_ok=True)
     command = command or command_line()
     record = {"name": name, "command": command, **(data or {})}
-    record.setdefault("machine", machine())
+    own = record.get("machine")  # a script's own machine keys are kept, besides machine()'s
+    record["machine"] = {**machine(), **own} if isinstance(own, dict) else own or machine()
     record.setdefault("commit", commit())
     record.setdefault("date", time.strftime("%Y-%m-%d"))
     out = {}
@@ -521,3 +522,19 @@ def allocation_peak(prof) -> int:
         current += size
         peak = max(peak, current)
     return peak
+
+
+GSM8K = Path(
+    "/work/shared/data/gsm8k/train.jsonl.gz"
+)  # GSM8K's train split, where this checkout's machines keep it
+if not GSM8K.is_file():
+    GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl.gz"
+
+
+def hash_reward(prompts, responses, answer):
+    """1.0 when the number after the response's last '####' equals the gold's (GSM8K's answer format)."""
+
+    def final(text: str) -> str:
+        return text.rsplit("####", 1)[-1].strip().replace(",", "") if "####" in text else ""
+
+    return [float(final(r) != "" and final(r) == final(a)) for r, a in zip(responses, answer)]
