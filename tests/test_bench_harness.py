@@ -208,3 +208,17 @@ def test_results_table_only_and_named_plots(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo_selection.md"]
     assert set(out) == {"md", "demo_frontier"} and drawn == ["demo_frontier.png"]
     assert harness.result_command("demo_selection", tmp_path) == "python benchmarks/bench_demo.py"
+
+
+def test_tests_import_the_harness_not_the_scripts():
+    """A test of a benchmark's pieces imports them from the harness: the scripts are run, never imported."""
+    import ast
+
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            )
+            assert not {n.split(".")[0] for n in names} & scripts, f"{path.relative_to(ROOT)} imports {names}"
