@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import argparse
 import importlib.util
-import json
 import platform
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alignlit.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _tiling, linear_logprobs
-from harness import allocation_peak, stamp  # benchmarks/ is on sys.path when a script runs
+from harness import allocation_peak, write_results  # benchmarks/ is on sys.path when a script runs
 
 BASELINE = "e331e12a0b8567b83f4ce3b8c37f6392dd839090"  # the last row-chunked linear_logprobs
 
@@ -134,8 +133,8 @@ def main() -> None:
                 }
             )
             payload["machine"]["load_average"] = os.getloadavg()
-            out.write_text(
-                json.dumps(stamp(payload), indent=2) + "\n"
+            write_results(
+                out.stem, payload, results_dir=out.parent
             )  # after each cell: a cut run keeps its cells
             print(f"{name:<32} entropy={entropy!s:<5} {seconds:8.2f} s {peak / 2**20:9.1f} MB", flush=True)
     print(f"wrote {out}")

@@ -23,7 +23,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import argparse
 import importlib.util
-import json
 import platform
 import statistics
 import tempfile
@@ -34,7 +33,7 @@ import torch
 
 from alignlit.models import export_pretrained, make_tiny_llama, train_bpe_tokenizer
 from alignlit.rollout import HFEngine, SamplingParams, VLLMEngine, logprob_parity
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import write_results  # benchmarks/ is on sys.path when a script runs
 
 ENGINES = {  # name: HFEngine options (None: vLLM)
     "hf": {},
@@ -187,7 +186,7 @@ def main() -> None:
         "notes": notes,
         "results": results,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -30,7 +30,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -43,7 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignlit.models.forward import token_logprobs
 from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
-from harness import allocation_peak, stamp  # benchmarks/ is on sys.path when a script runs
+from harness import allocation_peak, write_results  # benchmarks/ is on sys.path when a script runs
 
 
 def peak_bytes(fn) -> int:
@@ -202,7 +201,7 @@ def main() -> None:
         "results": results,
         "failures": failures,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
     if failures:
         raise SystemExit("; ".join(failures))

@@ -48,7 +48,7 @@ import torch
 from alignlit.models import export_pretrained, make_tiny_llama
 from alignlit.models.forward_settings import use_forward_settings
 from alignlit.rollout import HFEngine, RolloutLoop, SamplingParams
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import write_results  # benchmarks/ is on sys.path when a script runs
 
 STAGES = ("ppo", "grpo")
 ENGINES = ("hf", "vllm")
@@ -360,7 +360,7 @@ def main() -> None:
         "results": results,
         "generation": generation,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -34,7 +34,7 @@ import torch
 
 from alignlit.models.forward import response_token_logprobs
 from alignlit.models.packing import packing_saving, prompt_lengths
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import write_results  # benchmarks/ is on sys.path when a script runs
 
 SIZES = {  # name: (hidden, layers, heads, intermediate, vocab)
     "quickstart": (128, 4, 2, 512, 512),
@@ -201,7 +201,7 @@ def main() -> None:
         "thresholds": thresholds,
         "regret": {f"{t:.2f}": row for t, row in regret.items()},
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -42,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import write_results  # benchmarks/ is on sys.path when a script runs
 from harness.vs_trl import (
     MODEL,
     ONLINE_WORKLOADS,
@@ -285,7 +285,7 @@ def main() -> None:
         "online_results": online_results,
         "failures": failures,
     }  # fmt: skip
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
     if failures:
         raise SystemExit("; ".join(failures))
