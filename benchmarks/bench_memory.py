@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import QWEN, stamp  # benchmarks/ is on sys.path when a script runs
+from harness import QWEN, write_results  # benchmarks/ is on sys.path when a script runs
 
 WORKLOADS = ("sft", "dpo", "reward", "grpo")
 VARIANTS = {  # name: (side, flags)
@@ -282,16 +282,13 @@ def main() -> None:
                 else cell["error"]
             )
             print(f"  {workload} L={length} {variant}: {status}", flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+            write_results(out.stem, payload, results_dir=out.parent)  # after each cell: a rerun resumes
     order = {(w, length, v): i for i, (w, length, v) in enumerate(
         (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
     payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))
     markdown = table(payload["cells"], args)
     print(markdown)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown + "\n")
+    write_results(out.stem, payload, table=markdown, results_dir=out.parent)
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 

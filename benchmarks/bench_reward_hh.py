@@ -38,6 +38,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import markdown_table, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "hh" / "reward-minilm.yaml"
 SIDES = ("alignlit", "reference")
@@ -315,8 +318,7 @@ def main() -> None:
         },
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out).stem, result, table=markdown_table(rows), results_dir=Path(args.out).parent)
     print(f"wrote {args.out}")
 
 
