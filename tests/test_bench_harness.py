@@ -222,3 +222,15 @@ def test_tests_import_the_harness_not_the_scripts():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
             )
             assert not {n.split(".")[0] for n in names} & scripts, f"{path.relative_to(ROOT)} imports {names}"
+
+
+def test_measurement_cells_resume_for_the_same_code_only(tmp_path, monkeypatch):
+    """A measuring benchmark's cell is read back while the code is the same, measured again once it changed."""
+    stamp = harness.code_stamp()
+    assert stamp.split("+")[0] == harness.commit()["commit"]
+    cells, calls = harness.measurement_cells("demo", tmp_path), []
+    measure = lambda: calls.append(1) or {"seconds": 1.0}  # noqa: E731
+    for code in (stamp, stamp, stamp + "changed"):
+        assert cells.run("variant", measure, {"config": {"rows": 8}, "code": code}) == {"seconds": 1.0}
+    assert len(calls) == 2 and cells.dir == tmp_path / "cells"
+    assert harness.measurement_cells("demo").dir == ROOT / "out" / "bench" / "demo" / "cells"

@@ -221,6 +221,25 @@ class Cells:
         return result
 
 
+def code_stamp() -> str:
+    """The checkout's commit plus a hash of its uncommitted changes to tracked files: a measurement cell
+    (``Cells.run(key, measure, spec={..., "code": code_stamp()})``) is read back only for the same code."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return res.stdout if res.returncode == 0 else ""
+
+    diff = git("diff", "HEAD")
+    head = git("rev-parse", "HEAD").strip() or "no-git"
+    return head + (f"+{hashlib.sha256(diff.encode()).hexdigest()[:12]}" if diff else "")
+
+
+def measurement_cells(name: str, work: str | Path | None = None) -> Cells:
+    """The cells of measuring benchmark ``name`` (default ``out/bench/<name>``): a cut run resumes."""
+    return Cells(Path(work) if work else ROOT / "out" / "bench" / name)
+
+
 def _jsonable(value):
     import json
 
