@@ -33,16 +33,20 @@ and a loss check on the same completions.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from harness import write_results  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 from harness.vs_trl import (
     MODEL,
     ONLINE_WORKLOADS,
@@ -219,6 +223,7 @@ def main() -> None:
         help="JSON written (default: benchmarks/results/vs_trl.json, or vs_trl_online.json when every workload "
         "is an online one)",
     )
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/vs_trl)")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--assets", help=argparse.SUPPRESS)
@@ -235,6 +240,12 @@ def main() -> None:
     peak = matmul_peak(args.threads)
     load_start = os.getloadavg()
     results, online_results, failures = [], [], []
+    spec = {
+        "config": {k: v for k, v in vars(args).items() if k != "work"},
+        "trl": trl_version,
+        "code": code_stamp(),
+    }
+    cells = measurement_cells("vs_trl", args.work)  # a workload's runs are one cell: a cut run resumes
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         assets = build_assets(root, args)
@@ -242,11 +253,15 @@ def main() -> None:
             assets["online"] = build_online_assets(root, args)
         for workload in workloads:
             if workload in ONLINE_WORKLOADS:
-                online_results.append(run_online(workload, root, args, failures))
+                cell = cells.run(workload, functools.partial(online_runs, workload, root, args), spec)
+                result = summarise_online(workload, cell["runs"], cell["checks"], args)
+                failures += [f"{workload}: {name} differs by {diff:.3g} (> {args.loss_tol})"
+                             for name, diff in result.get("check_diffs", {}).items() if diff > args.loss_tol]  # fmt: skip
+                online_results.append(result)
                 print_online(online_results[-1:], args)
                 continue
             tokens = batch_tokens(workload, assets, args)
-            runs = alternating_runs(workload, root, args)
+            runs = cells.run(workload, functools.partial(alternating_runs, workload, root, args), spec)
             pair = {side: summarise(workload, side, runs[side], tokens, assets, peak, args) for side in SIDES}
             diff = abs(pair["alignlit"]["first_loss"] - pair["trl"]["first_loss"])
             if diff > args.loss_tol:
@@ -267,7 +282,6 @@ def main() -> None:
         print_online(online_results, args)
     online_only = all(w in ONLINE_WORKLOADS for w in workloads)
     out = Path(args.out or f"benchmarks/results/{'vs_trl_online' if online_only else 'vs_trl'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "vs_trl",
         "config": {k: v for k, v in vars(args).items() if k not in ("worker", "workload", "assets", "check")},
@@ -275,8 +289,6 @@ def main() -> None:
                   "vocab": assets["vocab"], **MODEL},
         "trl": trl_version,
         "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
             "load_average_at_start": load_start,
             "load_average_at_end": os.getloadavg(),
             "matmul_peak_flops": peak,
@@ -291,19 +303,14 @@ def main() -> None:
         raise SystemExit("; ".join(failures))
 
 
-def run_online(workload: str, root: Path, args, failures: list[str]) -> dict:
+def online_runs(workload: str, root: Path, args) -> dict:
     """The loss check (one untimed run per side on the driver's completions), then ``--reps`` timed runs
-    per side, alternating."""
+    per side, alternating: one cell."""
     checks = {}
     for side in SIDES:
         python = args.trl_python if side == "trl" else sys.executable
         checks[side] = run_worker(python, side, workload, root, args, check=True)
-    runs = alternating_runs(workload, root, args)
-    result = summarise_online(workload, runs, checks, args)
-    for name, diff in result.get("check_diffs", {}).items():
-        if diff > args.loss_tol:
-            failures.append(f"{workload}: {name} differs by {diff:.3g} (> {args.loss_tol})")
-    return result
+    return {"checks": checks, "runs": alternating_runs(workload, root, args)}
 
 
 def print_offline(results: list[dict], args, peak: float) -> None:
