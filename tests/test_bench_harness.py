@@ -1,4 +1,4 @@
-"""benchmarks/harness.py: cached and resumable cells, results written with their command, machine and
+"""benchmarks/harness/: cached and resumable cells, results written with their command, machine and
 commit, and one command per committed result (what `nox -s bench -- NAME` runs)."""
 
 from __future__ import annotations
