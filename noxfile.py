@@ -248,10 +248,10 @@ def quickstart(session: nox.Session) -> None:
 
 
 def bench_harness():
-    """benchmarks/harness.py (standard library only at import)."""
+    """benchmarks/harness/ (standard library only at import)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_harness", "benchmarks/harness.py")
+    spec = importlib.util.spec_from_file_location("bench_harness", "benchmarks/harness/__init__.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

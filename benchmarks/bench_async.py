@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quality import mean_std, pm, read_json
+from harness import command_line, quickstart_stages, read_json, write_results
 from harness import prepare as harness_prepare
-from harness import quickstart_stages, stamp
+from harness.async_runs import PHASES, collect, format_table, plot, table
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -82,13 +82,6 @@ def prepare(root: Path, env: dict) -> None:
         run_alignlit(argv, root, root / "out/bench_async/logs" / f"prepare_{argv[0]}.log", env)
 
     harness_prepare(quickstart_stages(root), run)
-
-
-PHASES = {
-    "rollout_s": "time/rollout_s", "train_s": "time/train_s", "generate_s": "rollout/generate_s",
-    "score_s": "rollout/score_s", "sync_s": "rollout/sync_s", "old_logp_s": "time/old_logp_s",
-    "ref_logp_s": "time/ref_logp_s",
-}  # fmt: skip
 
 
 def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> dict:
@@ -170,139 +163,6 @@ def evaluate(args, record: dict) -> dict:
     return out
 
 
-def machine() -> str:
-    """The CPU model and core count, and the torch build."""
-    import platform
-
-    import torch
-
-    model = platform.processor() or "CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("model name")
-        ]
-        model = names[0] if names else model
-    return f"{os.cpu_count()} cores ({model}), torch {torch.__version__}"
-
-
-def table(records: list[dict]) -> list[dict]:
-    """One row per (stage, engine, k, trainer threads): means (± std) over its seeds. The speed-up is against
-    k = 0 with one thread, ``speedup_vs_sync_threads`` against k = 0 with the most trainer threads run
-    (``sync_threads``; None without such a run); ``ceiling`` is the speed-up of a perfect overlap of that synchronous run's two
-    phases, (rollout + train) / max(rollout, train) per step, what k >= 1 can reach at best."""
-    rows = []
-    for stage, engine, k, threads in sorted(
-        {(r["stage"], r["engine"], r["k"], r["threads"]) for r in records}
-    ):
-        runs = [
-            r
-            for r in records
-            if (r["stage"], r["engine"], r["k"], r["threads"]) == (stage, engine, k, threads)
-        ]
-        base = [
-            r for r in records if (r["stage"], r["engine"], r["k"], r["threads"]) == (stage, engine, 0, 1)
-        ]
-        synced = [
-            r for r in records if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0) and r["threads"] > 1
-        ]
-        sync_threads = max((r["threads"] for r in synced), default=None)
-        rate, rate_std = mean_std([r["samples_per_s"] for r in runs])
-        base_rate, _ = mean_std([r["samples_per_s"] for r in base])
-        sync_rate, _ = mean_std([r["samples_per_s"] for r in synced if r["threads"] == sync_threads])
-        rollout = mean_std([r["phases_s"]["rollout_s"] for r in base])[0]
-        train = mean_std([r["phases_s"]["train_s"] for r in base])[0]
-        histogram: dict[int, int] = {}
-        for r in runs:
-            for s in r["staleness"]:
-                histogram[int(s)] = histogram.get(int(s), 0) + 1
-        gold = [r["eval"]["gold"] for r in runs if "eval" in r]
-        kl = [r["eval"]["kl_to_reference"] for r in runs if "eval" in r]
-        rows.append({
-            "stage": stage, "engine": engine, "k": k, "threads": threads, "seeds": [r["seed"] for r in runs],
-            "samples_per_s": rate, "samples_per_s_std": rate_std,
-            "samples_per_s_all": mean_std([r["samples_per_s_all"] for r in runs])[0],
-            "speedup": rate / base_rate if base_rate else None,
-            "speedup_vs_sync_threads": rate / sync_rate if sync_rate else None, "sync_threads": sync_threads,
-            "ceiling": (rollout + train) / max(rollout, train) if base and k else None,
-            "wait_share": mean_std([r["wait_share"] for r in runs])[0],
-            "first_step_s": mean_std([r["first_step_s"] for r in runs])[0],
-            "cores_used": mean_std([r["cores_used"] for r in runs])[0],
-            "phases_s": {name: mean_std([r["phases_s"][name] for r in runs])[0] for name in PHASES},
-            "gold": mean_std(gold), "kl": mean_std(kl), "gold_seeds": len(gold),
-            "staleness_histogram": dict(sorted(histogram.items())),
-        })  # fmt: skip
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [
-        "| stage | engine | k | trainer threads | samples/s (steady) | speed-up vs k = 0 | vs k = 0 on all threads | "
-        "overlap ceiling | samples/s (whole run) | trainer waits | generate / score / train s per step | cores used | "
-        "gold (test) | KL to SFT | seeds | staleness of trained steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        phases = r["phases_s"]
-        vs_sync = r.get("speedup_vs_sync_threads")
-        lines.append(
-            f"| {r['stage']} | {r['engine']} | {r['k']} | {r['threads']} | "
-            f"{pm(r['samples_per_s'], r['samples_per_s_std'], 1)} | "
-            + ("" if r["speedup"] is None else f"{r['speedup']:.2f}×")
-            + " | "
-            + ("" if vs_sync is None else f"{vs_sync:.2f}× ({r['sync_threads']} threads)")
-            + " | "
-            + ("" if r["ceiling"] is None else f"{r['ceiling']:.2f}×")
-            + f" | {r['samples_per_s_all']:.1f} | {100 * r['wait_share']:.0f}% | "
-            f"{phases['generate_s']:.3f} / {phases['score_s']:.3f} / {phases['train_s']:.3f} | {r['cores_used']:.2f} | "
-            f"{pm(*r['gold'])} | {pm(*r['kl'], 2)} | {r['gold_seeds']} | "
-            + ", ".join(f"{s}: {c}" for s, c in r["staleness_histogram"].items())
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), width_ratios=[1.4, 1])
-    for stage, engine in sorted({(r["stage"], r["engine"]) for r in rows}):
-        mine = [r for r in rows if (r["stage"], r["engine"]) == (stage, engine) and r["threads"] == 1]
-        (line,) = axes[0].plot([r["k"] for r in mine], [r["samples_per_s"] for r in mine], marker="o",
-                               label=f"{stage} ({engine})")  # fmt: skip
-        base = [r for r in mine if r["k"] == 0]
-        ceiling = [r["ceiling"] for r in mine if r["ceiling"]]
-        if base and ceiling:
-            ks = [r["k"] for r in mine]
-            axes[0].hlines(base[0]["samples_per_s"] * ceiling[0], min(ks), max(ks), colors=line.get_color(),
-                           linestyles=":", label=f"{stage} ({engine}): perfect overlap")  # fmt: skip
-        for sync in [
-            r for r in rows if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0) and r["threads"] > 1
-        ]:
-            ks = [r["k"] for r in mine] or [0]
-            axes[0].hlines(sync["samples_per_s"], min(ks), max(ks), colors=line.get_color(), linestyles="--",
-                           label=f"{stage} ({engine}): k = 0, {sync['threads']} threads")  # fmt: skip
-        golds = [(r["k"], *r["gold"]) for r in mine if r["gold"][0] is not None]
-        axes[1].errorbar([g[0] for g in golds], [g[1] for g in golds], yerr=[g[2] or 0 for g in golds],
-                         marker="o", capsize=3, label=f"{stage} ({engine})")  # fmt: skip
-    axes[0].set(xlabel="max_staleness k", ylabel="samples/s (steady state)", title="throughput")
-    axes[1].set(
-        xlabel="max_staleness k", ylabel="gold reward (test prompts)", title="quality at equal samples"
-    )
-    for ax in axes:
-        ax.set_xticks(sorted({r["k"] for r in rows}))
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the crowded axes
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=".", help="folder with data/sim and out/quickstart/{sft,reward}")
@@ -376,41 +236,14 @@ def main(argv: list[str] | None = None) -> dict:
     return report(args, records)
 
 
-def collect(args) -> list[dict]:
-    """The finished runs under ``--work`` (``run.json`` and its ``eval_test.json``) that ``--collect`` tabulates."""
-    records = []
-    for run_file in sorted(Path(args.work).glob("*/run.json")):
-        record = read_json(run_file)
-        evaluation = read_json(run_file.parent / "eval_test.json")
-        if (
-            record.get("rollouts") == args.rollouts
-            and record.get("stage") in args.stages
-            and record.get("engine") in args.engines
-            and evaluation.get("prompts") == args.test_prompts
-        ):
-            records.append({**record, "eval": evaluation})
-    if not records:
-        raise SystemExit(f"--collect: no finished run with {args.rollouts} rollouts under {args.work}")
-    return records
-
-
 def report(args, records: list[dict]) -> dict:
     """Write ``<results>/async{,_tiny}.{json,md,png}`` from the runs' records; the rows."""
     rows = table(records)
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
     name = "async_tiny" if args.tiny else "async"
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-        "machine": machine(),
-    }
-    (results / f"{name}.json").write_text(
-        json.dumps(stamp({**meta, "rows": rows, "runs": records}), indent=1) + "\n"
-    )
     text = format_table(rows)
-    (results / f"{name}.md").write_text(f"{meta['date']}, `{meta['command']}`, {meta['machine']}\n\n{text}\n")
-    plot(rows, results / f"{name}.png")
+    command = command_line([__file__, *sys.argv[1:]])
+    write_results(name, {"rows": rows, "runs": records}, command=command, table=text,
+                  plot=lambda path: plot(rows, path), results_dir=args.results)  # fmt: skip
     print(text)
     return {"rows": rows}
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, fit_once, paper_stages, stamp
+from harness import config_args, fit_once, paper_stages, write_results
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,8 +269,6 @@ def main(argv: list[str] | None = None) -> dict:
         runs += [{k: v for k, v in r.items() if k != "history"} | {"test": e} for r, e in zip(chosen, evals)]
         print(format_table(rows, args.rewards), flush=True)
 
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
     table = format_table(rows, args.rewards)
     note = (
         f"\n{len(prompts)} prompts_test prompts, T = 1, seed 0; {args.rollouts} rollouts x "
@@ -279,11 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"RM = {args.reward_model}; KL to {args.sft}."
     )
     print("\n" + table + note)
-    (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
     payload = {"rows": rows, "runs": runs, "args": vars(args), "histories": histories}
-    (results / f"{args.name}.json").write_text(json.dumps(stamp(payload), indent=1) + "\n")
-    plot_curves(histories, results / f"{args.name}.png", panels=PANELS, title="critic-free vs PPO-max")
-    print(f"wrote {results / args.name}.md, .json and .png")
+    draw = lambda path: plot_curves(histories, path, panels=PANELS, title="critic-free vs PPO-max")  # noqa: E731
+    out = write_results(args.name, payload, table=table + "\n" + note, plot=draw, results_dir=args.results)
+    print(f"wrote {', '.join(map(str, out.values()))}")
     return rows
 
 

@@ -33,15 +33,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, run_alignlit, stamp
+from harness import config_args, run_alignlit, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "quickstart"  # the scale: config_args(name, CONFIGS) is the quickstart stack of run `name`
@@ -247,24 +245,15 @@ def curves(fits: list[dict], key: str) -> tuple[list[int], list[float], list[flo
     return steps, means, stds, clocks
 
 
-def write_results(result: dict, args, results: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}"
-    command = "python benchmarks/bench_distill.py" + (" --tiny" if args.tiny else "")
+def report(result: dict, args, results: Path) -> None:
+    """``distill.{md,json}`` and ``distill_curves.png`` (harness.write_results: command, machine, commit)."""
     rows = [("SFT (the student at the start)", result["refs"]["sft"], None, None),
             ("teacher: GRPO with the verifier, 60 rollouts", result["refs"]["teacher"], None, None)]  # fmt: skip
     for arm in args.arms:
         rows.append((ARMS[arm][0], result["test"][arm], result["chosen_lr"][arm], result["fits"][arm]))
     lines = [
         "# On-policy distillation vs GRPO on the simulated task\n",
-        f"`{command}` at commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
         f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), {args.test_prompts} `prompts_test` prompts, "
         f"T = 1; learning rates chosen on {args.val_prompts} `prompts_val` prompts (seed 0); "
         f"{3 if args.tiny else args.rollouts} rollouts of 80 responses per run. "
@@ -290,11 +279,21 @@ def write_results(result: dict, args, results: Path) -> None:
     for arm in args.arms:
         for r in result["val"][arm]:
             lines.append(f"| {arm} | {r['lr']:g} | {r['gold']:.3f} | {r['kl_to_teacher']:.2f} |")
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "distill.md").write_text("\n".join(lines) + "\n")
-    (results / "distill.json").write_text(
-        json.dumps(stamp({"commit": commit, "machine": machine, **result}, command=command), indent=1) + "\n"
+    write_results(
+        "distill",
+        result,
+        table="\n".join(lines),
+        plot={"distill_curves.png": lambda path: plot(result, args, path)},
+        results_dir=results,
     )
+    print("\n".join(lines))
+
+
+def plot(result: dict, args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for arm in args.arms:
@@ -316,8 +315,7 @@ def write_results(result: dict, args, results: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"on-policy distillation vs GRPO, mean ± std over {len(args.seeds)} seeds", fontsize=10)
     fig.tight_layout()
-    fig.savefig(results / "distill_curves.png", dpi=110)
-    print("\n".join(lines))
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -347,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         else (Path(args.work) if args.tiny else ROOT / "benchmarks" / "results")
     )
     result = Bench(args).main()
-    write_results(result, args, results)
+    report(result, args, results)
     return result
 
 

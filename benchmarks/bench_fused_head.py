@@ -26,9 +26,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
+import functools
 import importlib.util
-import json
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -39,8 +38,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from alignlit.ops.logprobs import LINEAR_CHUNK_ELEMENTS, _tiling, linear_logprobs
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
-from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    allocation_peak,
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 BASELINE = "e331e12a0b8567b83f4ce3b8c37f6392dd839090"  # the last row-chunked linear_logprobs
 
@@ -70,6 +73,19 @@ def step(fn, hidden, weight, labels, entropy: bool, **kwargs):
     return run
 
 
+def measured(name: str, run, entropy: bool, args) -> dict:
+    """One cell: ``run``'s allocation peak (its first call, the warm-up) and median seconds."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()  # also the warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return {"variant": name, "entropy": entropy, "seconds": statistics.median(times), "runs": times,
+            "peak_mb": allocation_peak(prof) / 2**20, "load_average": os.getloadavg()}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=151_936)
@@ -83,6 +99,7 @@ def main() -> None:
         "--tiles", default="", help="extra ROWSxTILE settings of the tiled code, comma-separated"
     )
     parser.add_argument("--entropy", default="false,true", help="with_entropy values, comma-separated")
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/fused_head)")
     parser.add_argument("--out", default="benchmarks/results/fused_head.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,41 +121,26 @@ def main() -> None:
         )
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "fused_head",
         "config": vars(args),
         "linear_chunk_elements": LINEAR_CHUNK_ELEMENTS,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": [],
     }
+    cells, spec = measurement_cells("fused_head", args.work), {"config": vars(args), "code": code_stamp()}
     for entropy in (x.strip() == "true" for x in args.entropy.split(",")):
         for name, fn, kwargs in variants:
-            run = step(fn, hidden, weight, labels, entropy, **kwargs)
-            hidden.grad = weight.grad = None  # freed before the profile: each peak includes the new gradients
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                run()  # also the warm-up
-            peak = allocation_peak(prof)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
-            payload["results"].append(
-                {
-                    "variant": name,
-                    "entropy": entropy,
-                    "seconds": seconds,
-                    "runs": times,
-                    "peak_mb": peak / 2**20,
-                }
+            measure = functools.partial(
+                measured, name, step(fn, hidden, weight, labels, entropy, **kwargs), entropy, args
             )
-            payload["machine"]["load_average"] = os.getloadavg()
-            out.write_text(
-                json.dumps(stamp(payload), indent=2) + "\n"
-            )  # after each cell: a cut run keeps its cells
-            print(f"{name:<32} entropy={entropy!s:<5} {seconds:8.2f} s {peak / 2**20:9.1f} MB", flush=True)
+            hidden.grad = weight.grad = None  # freed before the profile: each peak includes the new gradients
+            cell = cells.run(f"{name}-entropy={entropy}", measure, spec)  # a cut run resumes at this cell
+            payload["results"].append(cell)
+            print(
+                f"{name:<32} entropy={entropy!s:<5} {cell['seconds']:8.2f} s {cell['peak_mb']:9.1f} MB",
+                flush=True,
+            )
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

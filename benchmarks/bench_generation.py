@@ -22,8 +22,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
+import functools
 import importlib.util
-import json
 import platform
 import statistics
 import tempfile
@@ -34,7 +34,11 @@ import torch
 
 from alignlit.models import export_pretrained, make_tiny_llama, train_bpe_tokenizer
 from alignlit.rollout import HFEngine, SamplingParams, VLLMEngine, logprob_parity
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 ENGINES = {  # name: HFEngine options (None: vLLM)
     "hf": {},
@@ -87,43 +91,8 @@ def sample_and_time(engine, model, prompts: list[str], args, seed: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}"
-    )
-    parser.add_argument("--size", default="bench", choices=list(SIZES), help="the tiny Llama's size")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--prompt-words", type=int, default=0, help="symbols of context before each prompt")
-    parser.add_argument("--max-model-len", type=int, default=256, help="positions of the model (and vLLM)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="HFEngine prompts per call")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--out", default="benchmarks/results/generation.json")
-    args = parser.parse_args()
-
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
-    if unknown:
-        parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
-    notes = []
-    if "vllm" in engines and importlib.util.find_spec("vllm") is None:
-        engines.remove("vllm")
-        notes.append("vllm is not installed: HF engine only (install the vllm extra, .ci/install-vllm.sh)")
-        print(notes[-1])
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-    tokenizer = train_bpe_tokenizer(corpus(), vocab_size=512)
-    model = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=args.max_model_len, **SIZES[args.size])
-    model = model.eval().to(args.device)
-    num_params = sum(p.numel() for p in model.parameters())
-    prompts = make_prompts(args.prompts, args.prompt_words)
-    prompt_tokens = statistics.fmean(len(tokenizer(p)["input_ids"]) for p in prompts)
+def measure(model, tokenizer, prompts, engines: list[str], args) -> list[dict]:
+    """One cell: every engine built, warmed up and timed, the calls alternating between them."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = export_pretrained(model, tokenizer, Path(tmp) / "policy", stage="bench")
@@ -148,6 +117,50 @@ def main() -> None:
                 "cpu_seconds": round(sum(x["cpu_seconds"] for x in c), 3),
                 "tokens_per_s": round(tokens_per_s, 1), "parity_max_abs_diff": max(x["parity"] for x in c),
             })  # fmt: skip
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"comma-separated subset of {list(ENGINES)}"
+    )
+    parser.add_argument("--size", default="bench", choices=list(SIZES), help="the tiny Llama's size")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-words", type=int, default=0, help="symbols of context before each prompt")
+    parser.add_argument("--max-model-len", type=int, default=256, help="positions of the model (and vLLM)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="HFEngine prompts per call")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/generation)")
+    parser.add_argument("--out", default="benchmarks/results/generation.json")
+    args = parser.parse_args()
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
+    notes = []
+    if "vllm" in engines and importlib.util.find_spec("vllm") is None:
+        engines.remove("vllm")
+        notes.append("vllm is not installed: HF engine only (install the vllm extra, .ci/install-vllm.sh)")
+        print(notes[-1])
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    tokenizer = train_bpe_tokenizer(corpus(), vocab_size=512)
+    model = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=args.max_model_len, **SIZES[args.size])
+    model = model.eval().to(args.device)
+    num_params = sum(p.numel() for p in model.parameters())
+    prompts = make_prompts(args.prompts, args.prompt_words)
+    prompt_tokens = statistics.fmean(len(tokenizer(p)["input_ids"]) for p in prompts)
+    cells, spec = measurement_cells("generation", args.work), {"config": vars(args), "code": code_stamp()}
+    compute = functools.partial(measure, model, tokenizer, prompts, engines, args)
+    results = cells.run("engines", compute, spec)  # the engines' calls alternate: one cell
     base = next((r["tokens_per_s"] for r in results if r["engine"] == "hf"), None)
     for r in results:
         r["vs_hf"] = round(r["tokens_per_s"] / base, 3) if base else None
@@ -187,7 +200,7 @@ def main() -> None:
         "notes": notes,
         "results": results,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -25,13 +25,12 @@ default (it must not be slower there). Prints a table and writes
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -43,8 +42,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from alignlit.models.forward import token_logprobs
 from alignlit.models.scoring import logits_scored
 from alignlit.ops.logprobs import linear_logprobs
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
-from vs_trl_online import allocation_peak  # benchmarks/ (this script's folder) is on sys.path
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    allocation_peak,
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 
 def peak_bytes(fn) -> int:
@@ -127,21 +130,27 @@ def whole_step(model, ids, attention, loss, *, fused: bool, entropy: bool):
     return run
 
 
-def measure(name: str, model, data, args, *, memory: bool) -> list[dict]:
+def measure(name: str, model, data, args, *, memory: bool, cells, spec: dict) -> list[dict]:
+    """One cell (cached in ``cells``: a cut run resumes) per part and entropy setting."""
     rows = []
     for part, make in (("log-prob part", head_part), ("whole step", whole_step)):
         for entropy in (False, True):
-            entry = {"model": name, "part": part, "entropy": entropy}
-            for path, fused in (("full", False), ("fused", True)):
-                fn = make(model, *data, fused=fused, entropy=entropy)
-                if memory:
-                    entry[f"{path}_peak_mb"] = peak_bytes(fn) / 2**20
-                entry[f"{path}_ms"] = 1e3 * seconds(fn, args.repeats)
-            if memory:
-                entry["peak_ratio"] = entry["fused_peak_mb"] / entry["full_peak_mb"]
-            entry["time_ratio"] = entry["fused_ms"] / entry["full_ms"]
-            rows.append(entry)
+            compute = functools.partial(entry, name, part, make, model, data, entropy, args, memory)
+            rows.append(cells.run(f"{name}-{part}-entropy={entropy}", compute, spec))
     return rows
+
+
+def entry(name: str, part: str, make, model, data, entropy: bool, args, memory: bool) -> dict:
+    row = {"model": name, "part": part, "entropy": entropy}
+    for path, fused in (("full", False), ("fused", True)):
+        fn = make(model, *data, fused=fused, entropy=entropy)
+        if memory:
+            row[f"{path}_peak_mb"] = peak_bytes(fn) / 2**20
+        row[f"{path}_ms"] = 1e3 * seconds(fn, args.repeats)
+    if memory:
+        row["peak_ratio"] = row["fused_peak_mb"] / row["full_peak_mb"]
+    row["time_ratio"] = row["fused_ms"] / row["full_ms"]
+    return row
 
 
 def main() -> None:
@@ -154,16 +163,26 @@ def main() -> None:
     parser.add_argument(
         "--max-ratio", type=float, default=0.25, help="largest allowed fused/full peak (log-prob part)"
     )
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/logprob_memory)")
     parser.add_argument("--out", default="benchmarks/results/logprob_memory.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    cells, spec = measurement_cells("logprob_memory", args.work), {"config": vars(args), "code": code_stamp()}
     large = tiny_llama(args.vocab, hidden=256, layers=4, intermediate=640)
     results = measure(
-        f"vocab {args.vocab}", large, batch(args.vocab, args.rows, args.length), args, memory=True
+        f"vocab {args.vocab}",
+        large,
+        batch(args.vocab, args.rows, args.length),
+        args,
+        memory=True,
+        cells=cells,
+        spec=spec,
     )
     small = tiny_llama(512, hidden=128, layers=4, intermediate=512)
-    results += measure("quickstart (vocab 512)", small, batch(512, 64, 48), args, memory=False)
+    results += measure(
+        "quickstart (vocab 512)", small, batch(512, 64, 48), args, memory=False, cells=cells, spec=spec
+    )
 
     print(
         f"\nbatch: {args.rows} x {args.length} tokens (second half scored) for the {args.vocab}-vocabulary model, "
@@ -190,20 +209,14 @@ def main() -> None:
         if r["part"] == "log-prob part" and "peak_ratio" in r and r["peak_ratio"] > args.max_ratio
     ]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "logprob_memory",
         "config": vars(args),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_at_end": os.getloadavg(),
-            "torch": torch.__version__,
-        },
+        "machine": {"load_average_at_end": os.getloadavg()},
         "results": results,
         "failures": failures,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
     if failures:
         raise SystemExit("; ".join(failures))

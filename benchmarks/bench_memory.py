@@ -12,7 +12,7 @@ RewardTrainer, DPOTrainer and GRPOTrainer), fused AdamW on both sides, for each 
 - ``reward``: the same pair through a scalar-head model;
 - ``grpo``: one update on the ``--group`` samples of one prompt (prompt ``L/4``, responses ``3L/4``,
   fixed completions instead of sampling, the same on both sides), with the old and reference log-probs
-  and the k3 KL term (``vs_trl_online``'s settings).
+  and the k3 KL term (``harness.vs_trl``'s settings).
 
 Peak memory is measured over the second step (the first creates the optimizer states): the tensors alive
 at its start (parameters of every model, gradients, optimizer states: "resident") plus the most bytes
@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import QWEN, write_results  # benchmarks/ is on sys.path when a script runs
 
 WORKLOADS = ("sft", "dpo", "reward", "grpo")
 VARIANTS = {  # name: (side, flags)
@@ -53,11 +53,6 @@ VARIANTS = {  # name: (side, flags)
     "trl": ("trl", []),
     "trl checkpointing": ("trl", ["--gradient-checkpointing"]),
 }
-QWEN = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
-)  # fmt: skip
 
 
 def build_assets(root: Path, args) -> None:
@@ -112,9 +107,9 @@ def build_assets(root: Path, args) -> None:
 
 
 def grpo_prompt(tokenizer, task_prompt: str, tokens: int) -> str:
-    """The task prompt after context symbols (``vs_trl_online.with_context``, which the reward strips),
+    """The task prompt after context symbols (``harness.vs_trl.with_context``, which the reward strips),
     about ``tokens`` tokens in all."""
-    from vs_trl_online import with_context
+    from harness.vs_trl import with_context
 
     words = max(0, tokens - len(tokenizer(task_prompt)["input_ids"]))
     while words and len(tokenizer(with_context(task_prompt, words, 0))["input_ids"]) > tokens:
@@ -139,21 +134,17 @@ def worker(args) -> None:
     )  # fmt: skip
     ns = argparse.Namespace(**common)
     if args.workload == "grpo":
-        import vs_trl_online
+        from harness import vs_trl
 
-        fn = (
-            vs_trl_online.alignlit_online_worker
-            if args.side == "alignlit"
-            else vs_trl_online.trl_online_worker
-        )
+        fn = vs_trl.alignlit_online_worker if args.side == "alignlit" else vs_trl.trl_online_worker
         result = fn("grpo", root, ns, "memory")
     else:
-        import bench_vs_trl
+        from harness import vs_trl
 
         workload = "dpo_live" if args.workload == "dpo" else args.workload
         if args.workload != "sft":
             ns.batch_size = 1  # one pair
-        fn = bench_vs_trl.alignlit_worker if args.side == "alignlit" else bench_vs_trl.trl_worker
+        fn = vs_trl.alignlit_worker if args.side == "alignlit" else vs_trl.trl_worker
         out = fn(workload, root, ns)
         result = {**out["memory"], "peak_rss_mb": out["peak_rss_mb"], "losses": [out["first_loss"]]}
     print("RESULT " + json.dumps(result), flush=True)
@@ -291,16 +282,13 @@ def main() -> None:
                 else cell["error"]
             )
             print(f"  {workload} L={length} {variant}: {status}", flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+            write_results(out.stem, payload, results_dir=out.parent)  # after each cell: a rerun resumes
     order = {(w, length, v): i for i, (w, length, v) in enumerate(
         (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
     payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))
     markdown = table(payload["cells"], args)
     print(markdown)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown + "\n")
+    write_results(out.stem, payload, table=markdown, results_dir=out.parent)
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 

@@ -27,7 +27,6 @@ policy is saved and evaluated on test only once its lr is chosen). Finished runs
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from alignlit.models import load_policy
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule
 from alignlit.rollout import EpisodeReturn, HFEngine, RolloutLoop, SamplingParams, run_episodes
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment
-from harness import cached, stamp  # benchmarks/ is on sys.path when a script runs
+from harness import cached, write_results  # benchmarks/ is on sys.path when a script runs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STATS = ("gold", "turns", "first_right", "hinted", "second_right_after_hint", "model_tokens")
@@ -343,10 +342,7 @@ def main() -> None:
         return
     table = summarise(args, report, val, test)
     print(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(table + "\n")
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(stamp(report), indent=1) + "\n")
-    plot(report, RESULTS / f"{args.name}.png")
+    write_results(args.name, report, table=table, plot=lambda path: plot(report, path), results_dir=RESULTS)
 
 
 if __name__ == "__main__":

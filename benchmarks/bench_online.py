@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, fit_once, paper_stages, stamp
+from harness import config_args, fit_once, paper_stages, write_results
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,8 +360,6 @@ def main(argv: list[str] | None = None) -> dict:
         if "offline-rrhf" in args.arms and online is not None:
             report("offline-rrhf", offline_rrhf(args, sample_s, args.rrhf_resamples * args.resample_every))
 
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
     table = format_table(rows)
     note = (
         f"\n{len(test)} prompts_test prompts x {args.eval_samples} samples, T = 1, seed 0 (s.e. over prompts); "
@@ -372,14 +370,12 @@ def main(argv: list[str] | None = None) -> dict:
         "wall time includes sampling and scoring."
     )
     print("\n" + table + note)
-    (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
     payload = {"rows": rows, "runs": runs, "args": vars(args), "curves": curves}
-    (results / f"{args.name}.json").write_text(json.dumps(stamp(payload), indent=1) + "\n")
-    if curves:
-        plot_curves(
-            curves, results / f"{args.name}.png", panels=PANELS, title="online vs offline (paper scale)"
-        )
-    print(f"wrote {results / args.name}.md, .json" + (" and .png" if curves else ""))
+    draw = lambda path: plot_curves(curves, path, panels=PANELS, title="online vs offline (paper scale)")  # noqa: E731
+    out = write_results(
+        args.name, payload, table=table + "\n" + note, plot=draw if curves else None, results_dir=args.results
+    )
+    print(f"wrote {', '.join(map(str, out.values()))}")
     return rows
 
 

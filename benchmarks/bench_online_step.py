@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -48,7 +49,11 @@ import torch
 from alignlit.models import export_pretrained, make_tiny_llama
 from alignlit.models.forward_settings import use_forward_settings
 from alignlit.rollout import HFEngine, RolloutLoop, SamplingParams
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 STAGES = ("ppo", "grpo")
 ENGINES = ("hf", "vllm")
@@ -114,13 +119,13 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
         batch = args.prompts // args.group
 
     last: dict[str, object] = {}
-    train_on = module.train_on
+    make_trajectory = module.make_trajectory
 
     def keep_last(experience):
-        last["experience"] = experience
-        return train_on(experience)
+        last["experience"] = experience  # the last accepted experience, which interleaved_parts remakes
+        return make_trajectory(experience)
 
-    module.train_on = keep_last
+    module.make_trajectory = keep_last
     clock = RolloutClock()
     loader = torch.utils.data.DataLoader(prompts[: batch * args.rollouts], batch_size=batch, collate_fn=list)
     trainer = L.Trainer(
@@ -154,7 +159,7 @@ def run_stage(stage: str, engine: str, root: Path, prompts: list[str], args, *, 
         rows.append(parts)
     mean = {p: statistics.fmean(r[p] for r in rows) for p in PARTS}
     if interleave and args.interleaved:
-        module.train_on = train_on
+        module.make_trajectory = make_trajectory
         interleaved = interleaved_parts(module, stage, last["experience"], args)
     else:
         interleaved = None
@@ -255,6 +260,12 @@ def generation_table(policy: Path, prompts: list[str], args) -> list[dict]:
     return out
 
 
+def measure(stage: str, engine: str, work: Path, prompts, args, path: str, settings: dict) -> dict:
+    """One cell: ``stage`` on ``engine`` with the forward ``settings`` of ``path`` (after / before)."""
+    with use_forward_settings(**settings):
+        return run_stage(stage, engine, work, prompts, args, interleave=path == "after")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
@@ -272,6 +283,7 @@ def main() -> None:
     parser.add_argument(
         "--interleaved", type=int, default=5, help="after/before alternations on the last rollout (0: none)"
     )
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/online_step)")
     parser.add_argument("--out", default="benchmarks/results/online_step.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -289,6 +301,7 @@ def main() -> None:
     vllm_installed = importlib.util.find_spec("vllm") is not None
     load_start = os.getloadavg()
     results, generation = [], []
+    cells, spec = measurement_cells("online_step", args.work), {"config": vars(args), "code": code_stamp()}
     with tempfile.TemporaryDirectory() as tmp:
         policy, _, prompts = build_assets(Path(tmp), args)
         for stage in stages:
@@ -298,10 +311,10 @@ def main() -> None:
                     continue
                 paths = [("after", {})] + ([] if args.no_before else [("before", BEFORE)])
                 for path, settings in paths:
-                    with use_forward_settings(**settings):
-                        result = run_stage(
-                            stage, engine, Path(tmp), prompts, args, interleave=path == "after"
-                        )
+                    compute = functools.partial(
+                        measure, stage, engine, Path(tmp), prompts, args, path, settings
+                    )
+                    result = cells.run(f"{stage}-{engine}-{path}", compute, spec)  # a cut run resumes here
                     results.append({**result, "path": path, "status": "ok"})
                     print(f"  {stage} {engine} {path}: {result['total_s']:.2f} s per rollout", flush=True)
         generation = generation_table(policy, prompts, args)
@@ -360,7 +373,7 @@ def main() -> None:
         "results": results,
         "generation": generation,
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -24,8 +24,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see bench_vs_trl.py)
 
 import argparse
+import functools
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +34,11 @@ import torch
 
 from alignlit.models.forward import response_token_logprobs
 from alignlit.models.packing import packing_saving, prompt_lengths
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 SIZES = {  # name: (hidden, layers, heads, intermediate, vocab)
     "quickstart": (128, 4, 2, 512, 512),
@@ -118,6 +122,28 @@ def regret_table(results: list[dict], sizes: list[str]) -> dict[float, dict[str,
     return table
 
 
+def measure(model, size: str, k: int, case, args) -> dict:
+    """One cell: case ``k``'s batch, forward and update, packed and padded (median of ``--repeats``)."""
+    batch = rollout_batch(case, args.rows, args.prompt, args.response, SIZES[size][4], seed=k)
+    row = {
+        "size": size,
+        "n": case[0],
+        "prompt_spread": case[1],
+        "response_spread": case[2],
+        "saving": saving_of(batch),
+    }
+    for part, backward in (("forward", False), ("update", True)):
+        for packing in (True, False):  # warm-up
+            timed(model, batch, packing, backward)
+        times = {True: [], False: []}
+        for _ in range(args.repeats):
+            for packing in (True, False):
+                times[packing].append(timed(model, batch, packing, backward))
+        packed, padded = statistics.median(times[True]), statistics.median(times[False])
+        row[part] = {"packed_s": packed, "padded_s": padded, "speedup": padded / packed}
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -128,35 +154,21 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=48, help="longest response")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", default=None, help="measured cells (default out/bench/packing)")
     parser.add_argument("--out", default="benchmarks/results/packing.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [s for s in args.sizes.split(",") if s]
+    cells, spec = measurement_cells("packing", args.work), {"config": vars(args), "code": code_stamp()}
     results = []
     for size in sizes:
         model = model_of(size)
         for k, case in enumerate(CASES):
-            batch = rollout_batch(case, args.rows, args.prompt, args.response, SIZES[size][4], seed=k)
-            saving = saving_of(batch)
-            row = {
-                "size": size,
-                "n": case[0],
-                "prompt_spread": case[1],
-                "response_spread": case[2],
-                "saving": saving,
-            }
-            for part, backward in (("forward", False), ("update", True)):
-                for packing in (True, False):  # warm-up
-                    timed(model, batch, packing, backward)
-                times = {True: [], False: []}
-                for _ in range(args.repeats):
-                    for packing in (True, False):
-                        times[packing].append(timed(model, batch, packing, backward))
-                packed, padded = statistics.median(times[True]), statistics.median(times[False])
-                row[part] = {"packed_s": packed, "padded_s": padded, "speedup": padded / packed}
+            compute = functools.partial(measure, model, size, k, case, args)
+            row = cells.run(f"{size}-case{k}", compute, spec)  # a cut run resumes at this cell
             results.append(row)
             print(
-                f"{size:<10} n={case[0]} spreads {case[1]:.2f}/{case[2]:.2f} saving {saving:5.2f}: forward x"
+                f"{size:<10} n={case[0]} spreads {case[1]:.2f}/{case[2]:.2f} saving {row['saving']:5.2f}: forward x"
                 f"{row['forward']['speedup']:.2f}, update x{row['update']['speedup']:.2f}",
                 flush=True,
             )
@@ -189,19 +201,17 @@ def main() -> None:
             + " | ".join(f"{s} +{100 * t:.1f}% ({100 * w:.0f}%)" for s, (t, w) in row.items())
         )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "packing",
         "config": vars(args),
         "sizes": {
             s: dict(zip(("hidden", "layers", "heads", "intermediate", "vocab"), SIZES[s])) for s in sizes
         },
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": results,
         "thresholds": thresholds,
         "regret": {f"{t:.2f}": row for t, row in regret.items()},
     }
-    out.write_text(json.dumps(stamp(payload), indent=2) + "\n")
+    write_results(out.stem, payload, results_dir=out.parent)
     print(f"wrote {out}")
 
 

@@ -16,7 +16,7 @@ training curves: the largest KL(π‖π0) and response length seen during traini
 table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the arms' training curves
 in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
-The benchmark is a list of cells (benchmarks/harness.py): one training cell per arm (reused when
+The benchmark is a list of cells (benchmarks/harness/): one training cell per arm (reused when
 ``<out>/<arm>/run.json`` records the same command and the export is complete) and one evaluation cell
 per policy (cached under ``<out>/cells/`` with the policy's training command), so a stopped run resumes.
 
@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Cells, command_line, config_args, fit_once, stamp
+from harness import Cells, command_line, config_args, fit_once, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -226,40 +225,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(row)
         print(format_rows(rows), flush=True)
 
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
     table = format_rows(rows)
     note = (
         f"\n{len(prompts)} test prompts, T=1 seed 0 (greedy too); reward: {args.reward_model}; "
         f"{args.rollouts} rollouts per arm; KL to {args.sft}."
     )
     print("\n" + table + note)
-    (results / f"{args.name}.md").write_text(table + "\n" + note + "\n")
-    (results / f"{args.name}.json").write_text(
-        json.dumps(
-            stamp(
-                {
-                    "rows": rows,
-                    "reward_model": args.reward_model,
-                    "rollouts": args.rollouts,
-                    "prompts": len(prompts),
-                    "histories": histories,
-                    "overrides": args.set,
-                },
-                command=command_line([__file__, *(sys.argv[1:] if argv is None else argv)]),
-            ),
-            indent=1,
-            default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,
-        )
-        + "\n"
-    )
-    plot_curves(
-        histories,
-        results / f"{args.name}.png",
-        panels=PPO_PANELS,
-        title=f"PPO ablations ({args.rollouts} rollouts, reward: {Path(args.reward_model).name})",
-    )
-    print(f"wrote {results / args.name}.md, .json and .png")
+    data = {"rows": rows, "reward_model": args.reward_model, "rollouts": args.rollouts, "prompts": len(prompts),
+            "histories": histories, "overrides": args.set}  # fmt: skip
+    title = f"PPO ablations ({args.rollouts} rollouts, reward: {Path(args.reward_model).name})"
+    out = write_results(
+        args.name, data, command=command_line([__file__, *(sys.argv[1:] if argv is None else argv)]),
+        table=table + "\n" + note, plot=lambda path: plot_curves(histories, path, panels=PPO_PANELS, title=title),
+        results_dir=args.results,
+    )  # fmt: skip
+    print(f"wrote {', '.join(map(str, out.values()))}")
     return rows
 
 

@@ -10,7 +10,7 @@ Every later performance decision is made at this shape (issue 31 item 8). What r
   ``<|endoftext|>`` / ``<|im_start|>`` / ``<|im_end|>``, ChatML template) but with ``--bpe-vocab`` 32,000
   asked (GSM8K's text runs out of merges at 23,607 ids). **Its token counts are not Qwen's**: the length
   table reports them, with word counts beside;
-- **model**: Qwen2.5-0.5B's architecture with random weights (``bench_memory.QWEN``: vocabulary 151,936,
+- **model**: Qwen2.5-0.5B's architecture with random weights (``harness.QWEN``: vocabulary 151,936,
   hidden 896, MLP 4864, 14 query / 2 key-value heads of 64, tied embeddings) with ``--layers`` of its 24
   layers, float32 (``machine.bf16_native`` in the JSON says whether the CPU has avx512_bf16/amx_bf16;
   the 2026-11-28 machine does, bfloat16 is not measured here). The embedding and LM head have the real
@@ -54,11 +54,9 @@ import gzip
 import importlib.util
 import json
 import logging
-import platform
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -68,12 +66,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_memory import QWEN  # noqa: E402
-from harness import stamp  # noqa: E402
+from harness import GSM8K, QWEN, commit, hash_reward, machine, write_results  # noqa: E402
 
-GSM8K = Path("/work/shared/data/gsm8k/train.jsonl.gz")
-if not GSM8K.is_file():
-    GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl.gz"
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer after '####'."
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2's pre-tokenizer split, as tests/hubcache.py
@@ -324,36 +318,15 @@ def run_step(policy: Path, tokenizer, args) -> dict:
     }
 
 
-def hash_reward(prompts, responses, answer):
-    """1.0 when the number after the response's last '####' equals the gold's (fallback reward)."""
-
-    def final(text: str) -> str:
-        return text.rsplit("####", 1)[-1].strip().replace(",", "") if "####" in text else ""
-
-    return [float(final(r) != "" and final(r) == final(a)) for r, a in zip(responses, answer)]
-
-
-def machine() -> dict:
-    import torch
+def machine_extras() -> dict:
+    """What harness.machine() does not say: native bfloat16, the transformers version."""
     import transformers
 
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    field = lambda name: next(  # noqa: E731
-        (line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith(name + ":")), "?"
+    flags = next(
+        (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
     )
-    flags = field("Flags").split()
-    return {
-        "cpu_model": field("Model name"), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }  # fmt: skip
-
-
-def git_commit() -> str:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()  # noqa: E731
-    return run("rev-parse", "HEAD") + (" (tree has changes)" if run("status", "--porcelain") else "")
+    bf16 = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    return {"bf16_native": bf16, "transformers": transformers.__version__}
 
 
 def markdown(r: dict) -> str:
@@ -363,7 +336,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"# One GRPO step at the real shape{' (--tiny)' if r['config']['tiny'] else ''} ({r['date_utc']})",
         "",
-        f"`{r['command']}` at commit `{r['commit']}`; {r['machine']['cpu_model']}, {r['machine']['cores']} cores, "
+        f"`{r['command']}` at commit `{r['commit']['commit']}`; {r['machine']['cpu']}, {r['machine']['cores']} cores, "
         f"{r['machine']['torch_threads']} torch threads, float32; load average at start {r['load_average_start']}, "
         f"at end {r['load_average_end']}.",
         "",
@@ -441,8 +414,8 @@ def main() -> None:
         "command": shlex.join(["python", "benchmarks/bench_real_shape.py", *sys.argv[1:]]),
         "date_utc": started.strftime("%Y-%m-%d %H:%M:%S UTC"),
         "finished_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "commit": git_commit(),
-        "machine": machine(),
+        "commit": commit(),
+        "machine": {**machine(), **machine_extras()},
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "config": vars(args),
@@ -477,13 +450,12 @@ def main() -> None:
             },
         },
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     name = "real_shape_tiny" if args.tiny else "real_shape"
-    (out / f"{name}.json").write_text(json.dumps(stamp(result, command=result["command"]), indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
+    paths = write_results(
+        name, result, command=result["command"], table=markdown(result), results_dir=args.out_dir
+    )
     print(markdown(result))
-    print(f"wrote {out / name}.json and .md")
+    print(f"wrote {paths['json']} and {paths['md']}")
 
 
 if __name__ == "__main__":

@@ -52,19 +52,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_quality import (
-    ROOT,
-    TINY_DATA,
+from harness import (
+    command_line,
+    config_args,
+    config_sha256,
+    config_stack,
     fmt_s,
     get_key,
     mean_std,
-    out_prefix,
     pm,
+    read_config,
     read_json,
     run_alignlit,
-    run_overrides,
+    write_results,
 )
-from harness import config_args, config_sha256, config_stack, read_config, stamp
+from harness.quality import ROOT, TINY_DATA, out_prefix, run_overrides
 
 
 @dataclass(frozen=True)
@@ -581,14 +583,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "does.\n"
         + (f"Not evaluated yet: {', '.join(runner.failed)}.\n" if runner.failed else "")
         + f"\n{gold_pairs} gold-labelled val pairs; {sample_pairs} SFT-sample pairs; mean ± std over seeds "
-        f"{args.seeds}; configs {configs.name}; {time.strftime('%Y-%m-%d')}; `"
-        + " ".join(["python benchmarks/bench_reward_ablations.py", *(sys.argv[1:] if argv is None else argv)])
-        + "`"
+        f"{args.seeds}; configs {configs.name}"
     )
     md = "\n".join(lines)
     print("\n" + md + note)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "reward_ablations.md").write_text(md + "\n" + note + "\n")
     setup = {
         "configs": configs.name,
         "seeds": args.seeds,
@@ -602,9 +600,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "date": time.strftime("%Y-%m-%d"),
         "shared_stage_s": shared,
     }
-    (results / "reward_ablations.json").write_text(
-        json.dumps(stamp({"setup": setup, "table": table}), indent=1) + "\n"
-    )
+    this = command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
+    write_results("reward_ablations", {"setup": setup, "table": table}, command=this, table=md + "\n" + note,
+                  results_dir=results)  # fmt: skip
     print(f"bench_reward_ablations: wrote {results}/reward_ablations.{{md,json}}")
     if runner.failed and not args.report:
         raise SystemExit(

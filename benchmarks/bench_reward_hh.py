@@ -24,10 +24,10 @@ activations, gradients and optimizer state; on a GPU also
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -37,6 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import code_stamp, markdown_table, measurement_cells, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "hh" / "reward-minilm.yaml"
@@ -267,6 +270,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_side(side: str, args) -> dict:
+    """One side in its own process (``--worker``): its row."""
+    cmd = [sys.executable, __file__, "--worker", side, *sys.argv[1:]]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        sys.exit(f"{side} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", help="HH-RLHF pairs (default: the config's train_file)")
@@ -282,19 +295,19 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when a GPU is present")
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reward_hh.json"))
+    p.add_argument("--work", default=None, help="measured cells (default out/bench/reward_hh)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    rows = []
+    rows, cells = [], measurement_cells("reward_hh", args.work)
+    spec = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("sides", "work")},
+        "code": code_stamp(),
+    }
     for side in args.sides:
-        cmd = [sys.executable, __file__, "--worker", side, *sys.argv[1:]]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        if done.returncode != 0:
-            sys.exit(f"{side} failed:\n{done.stderr[-4000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(cells.run(side, functools.partial(run_side, side, args), spec))  # a cut run resumes
         print(f"{side}: {rows[-1]}", file=sys.stderr)
     print(format_table(rows))
     if len(rows) == 2:
@@ -308,15 +321,11 @@ def main() -> None:
         "config": str(CONFIG.relative_to(ROOT)),
         "args": {k: v for k, v in vars(args).items() if k != "worker"},
         "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else None,
         },
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(Path(args.out).stem, result, table=markdown_table(rows), results_dir=Path(args.out).parent)
     print(f"wrote {args.out}")
 
 

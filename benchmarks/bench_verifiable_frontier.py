@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import command_line, write_results  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 BETAS = [round(10 ** (k / 20), 4) for k in range(-40, 21)]  # 0.01 ... 10
@@ -129,8 +129,6 @@ def main(argv: list[str] | None = None) -> dict:
         "curves": curves,
     }
     results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "verifiable_frontier.json").write_text(json.dumps(stamp(out), indent=1) + "\n")
     md = [
         "| KL-regularised optimum of | "
         + " | ".join(f"KL ≤ {b}: gold (pass rate)" for b in KL_BUDGETS)
@@ -154,12 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         + f"; {sft['prompts_without_accepted_sample']} prompts without an accepted sample), mean gold of the "
         f"rejected responses {sft['gold_of_rejected']:.3f}. The verifier row's pass rate is the most any policy "
         "reaches at that KL (up to the sampling estimate); its gold is that policy's, which a trained policy can "
-        f"exceed by also improving its rejected responses. {out['setup']['date']}; "
-        f"`python benchmarks/bench_verifiable_frontier.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
+        "exceed by also improving its rejected responses."
     )
-    (results / "verifiable_frontier.md").write_text("\n".join(md) + "\n" + note + "\n")
+    command = command_line([__file__, *(sys.argv[1:] if argv is None else argv)])
+    write_results("verifiable_frontier", out, command=command, table="\n".join(md) + "\n" + note, results_dir=results,
+                  plot={"verifiable_frontier.png": lambda path: plot(curves, results / "verifiable.json", path)})  # fmt: skip
     print("\n".join(md) + "\n" + note)
-    plot(curves, results / "verifiable.json", results / "verifiable_frontier.png")
     return out
 
 

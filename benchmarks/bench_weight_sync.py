@@ -13,7 +13,6 @@ Prints a table and writes ``benchmarks/results/weight_sync.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -29,7 +28,7 @@ from alignlit.rollout import SamplingParams, check_parity
 from alignlit.rollout.endpoint import EngineProcess
 from alignlit.rollout.engine_auth import new_api_key
 from alignlit.rollout.server import ServedVLLMEngine
-from harness import stamp  # benchmarks/ is on sys.path when a script runs
+from harness import write_results  # benchmarks/ is on sys.path when a script runs
 
 
 def _free_port() -> int:
@@ -134,10 +133,8 @@ def main() -> None:
                     "device": "cpu", "backend": "gloo (collective); safetensors in /dev/shm (file)"},
         "results": results,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(stamp(out), indent=2) + "\n")
     table = markdown(out)
-    Path(args.out).with_suffix(".md").write_text(table)
+    write_results(Path(args.out).stem, out, table=table, results_dir=Path(args.out).parent)
     print(table)
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
 

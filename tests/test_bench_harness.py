@@ -1,9 +1,10 @@
-"""benchmarks/harness.py: cached and resumable cells, results written with their command, machine and
+"""benchmarks/harness/: cached and resumable cells, results written with their command, machine and
 commit, and one command per committed result (what `nox -s bench -- NAME` runs)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def test_command_line_is_relative_to_the_checkout():
 @pytest.mark.parametrize("name", harness.result_names(), ids=str)
 def test_every_committed_result_names_its_command(name):
     """`nox -s bench -- NAME` runs it: every step is a python script under benchmarks/ that exists (or
-    the quickstart), and its options are the script's."""
+    the quickstart), and its options are the script's (or those of the harness module its parser is in)."""
     command = harness.result_command(name)
     for step in command.split(" && "):
         words = shlex.split(step)
@@ -78,6 +79,11 @@ def test_every_committed_result_names_its_command(name):
             continue
         assert words[0] == "python" and (ROOT / words[1]).is_file(), step
         source = (ROOT / words[1]).read_text()
+        for module in re.findall(
+            r"^from harness(?:\.(\w+)| import (\w+) as)", source, re.M
+        ):  # its parser's home
+            path = ROOT / "benchmarks" / "harness" / f"{module[0] or module[1]}.py"
+            source += path.read_text() if path.exists() else ""
         for word in words[2:]:
             if word.startswith("--"):
                 assert f'"{word.split("=")[0]}"' in source, f"{name}: {word} is not an option of {words[1]}"
@@ -158,3 +164,73 @@ def test_a_failing_alignlit_run_names_itself_and_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"demo failed \(exit 2; log .*fit\.log\)"):
         harness.run_alignlit("demo", ["fit", "--no-such-option"], tmp_path, tmp_path / "fit.log")
     assert (tmp_path / "fit.log").read_text()
+
+
+def test_shared_helpers_mean_std_pm_fmt_s():
+    assert harness.mean_std([1.0, None, 3.0]) == (2.0, pytest.approx(2**0.5))
+    assert harness.mean_std([2.0]) == (2.0, None) and harness.mean_std([None]) == (None, None)
+    assert (
+        harness.pm(0.5, 0.25) == "0.500 ± 0.250"
+        and harness.pm(0.5, None, 1) == "0.5"
+        and harness.pm(None, 1) == ""
+    )
+    assert harness.fmt_s(65) == "1m05s" and harness.fmt_s(3725) == "1h02m"
+
+
+def test_no_benchmark_imports_another_benchmark():
+    """What scripts share lives in the harness: a benchmark script imports no other script of benchmarks/."""
+    import ast
+
+    scripts = {p.stem: p for p in (ROOT / "benchmarks").glob("*.py")}
+    for name, path in scripts.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+        assert not imported & (set(scripts) - {name}), (
+            f"benchmarks/{name}.py imports {imported & set(scripts)}"
+        )
+
+
+def test_results_table_only_and_named_plots(tmp_path):
+    """``data=None`` writes the table alone (its command in its last lines); a dict names the plots' files."""
+    drawn = []
+    out = harness.write_results(
+        "demo_selection",
+        None,
+        command="python benchmarks/bench_demo.py",
+        table="| a |\n|---|\n| 1 |",
+        plot={"demo_frontier.png": lambda path: drawn.append(path.name)},
+        results_dir=tmp_path,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo_selection.md"]
+    assert set(out) == {"md", "demo_frontier"} and drawn == ["demo_frontier.png"]
+    assert harness.result_command("demo_selection", tmp_path) == "python benchmarks/bench_demo.py"
+
+
+def test_tests_import_the_harness_not_the_scripts():
+    """A test of a benchmark's pieces imports them from the harness: the scripts are run, never imported."""
+    import ast
+
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            )
+            assert not {n.split(".")[0] for n in names} & scripts, f"{path.relative_to(ROOT)} imports {names}"
+
+
+def test_measurement_cells_resume_for_the_same_code_only(tmp_path, monkeypatch):
+    """A measuring benchmark's cell is read back while the code is the same, measured again once it changed."""
+    stamp = harness.code_stamp()
+    assert stamp.split("+")[0] == harness.commit()["commit"]
+    cells, calls = harness.measurement_cells("demo", tmp_path), []
+    measure = lambda: calls.append(1) or {"seconds": 1.0}  # noqa: E731
+    for code in (stamp, stamp, stamp + "changed"):
+        assert cells.run("variant", measure, {"config": {"rows": 8}, "code": code}) == {"seconds": 1.0}
+    assert len(calls) == 2 and cells.dir == tmp_path / "cells"
+    assert harness.measurement_cells("demo").dir == ROOT / "out" / "bench" / "demo" / "cells"

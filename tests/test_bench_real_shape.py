@@ -13,7 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_real_shape import GSM8K, PHASES, hash_reward  # noqa: E402
+from harness import GSM8K, hash_reward  # noqa: E402
+
+PHASES = {"generation", "score", "old_logprobs", "ref_logprobs", "update", "other"}  # the step's split
 
 
 def test_hash_reward_reads_the_number_after_the_last_marker():

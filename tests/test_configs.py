@@ -4,7 +4,7 @@ README, the docs, the recipes, the examples and the noxfile write down parses.
 Layout (configs/README.md): a stage base per stage under ``quickstart/``; overlays for a variant
 (``dpo/`` losses, ``async/``, ``served/``, ``verifiable/``), for the paper's size (``paper/``), and
 fragments for any stage (``strategies/``, ``lora/``, ``speed/``, ``rollout/``). A run is named like its
-export directory; its stack is written in its paper overlay's header (benchmarks/harness.py reads it).
+export directory; its stack is written in its paper overlay's header (benchmarks/harness/ reads it).
 """
 
 import itertools
@@ -252,7 +252,7 @@ def test_the_logger_follows_the_config_files_export_only():
 
 
 def test_the_merged_yaml_of_a_run_is_its_parsed_config():
-    """benchmarks/harness.py's read_config (the stack merged as YAML) agrees with the parser on what the
+    """benchmarks/harness/'s read_config (the stack merged as YAML) agrees with the parser on what the
     benchmarks read from it."""
     for scale, name in [("quickstart", "grpo-verifiable"), ("paper", "dapo-verifiable"), ("paper", "ppo")]:
         merged, parsed = read_config(name, scale), parse(*config_stack(name, scale)).config

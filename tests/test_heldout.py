@@ -34,8 +34,8 @@ DATA_FILE = re.compile(r"\.(jsonl|json|parquet|csv|arrow)$")
 TEST_NAME = re.compile(r"(^|[_\-.])test($|[_\-.])")
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_quality  # noqa: E402
 from harness import SCALES, read_config, runs  # noqa: E402
+from harness import quality as bench_quality  # noqa: E402
 
 RUNS = [(scale, name) for scale in SCALES for name in runs()]  # every run of the simulated task
 VERIFIABLE = [(scale, name) for scale, name in RUNS if name.endswith("-verifiable")]
@@ -211,7 +211,7 @@ def test_the_claims_benchmark_trains_without_test_files(sim, tmp_path):
     reward is a training reward only in the oracle-labeller arm (``online-dpo-gold``; ``dpo-gold``
     trains on the gold-ranked samples of training prompts), and the prompt filter's ε comes from the
     shared samples of training prompts."""
-    import bench_claims
+    from harness import claims as bench_claims
 
     args = bench_claims.build_parser().parse_args(
         ["--configs", str(CONFIG_DIR / "quickstart"), "--work", str(tmp_path / "w")]

@@ -1,6 +1,9 @@
-"""The online workloads of ``bench_vs_trl.py``: GRPO (and RLOO) steps, alignlit vs TRL, part by part.
+"""The workers of ``bench_vs_trl.py`` (and ``bench_memory.py``): alignlit and TRL on the same step.
 
-Both sides train the same random Llama (``bench_vs_trl.MODEL``) on the same prompts of the simulated
+The offline workloads (SFT, reward, DPO) are timed by :func:`alignlit_worker` / :func:`trl_worker`; the online
+ones, GRPO (and RLOO) steps, alignlit vs TRL, part by part:
+
+Both sides train the same random Llama (:data:`MODEL`) on the same prompts of the simulated
 task, in the same order, scored by the same Python function (:func:`reward_fn`, the task's gold reward,
 which both sides call on the decoded completions), with the same group size, sampling (temperature 1,
 no top-k/top-p, ``--max-new-tokens``), one rollout of ``--rollout-prompts`` prompts x ``--group``
@@ -37,9 +40,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
+
+from harness import allocation_peak
 
 ONLINE_WORKLOADS = ("grpo", "rloo")
 PARTS = ("generate", "score", "logprobs", "update", "other")
@@ -90,24 +96,6 @@ class MemoryWindow:
             "step_s": wall,
         }
         self.profiler = None
-
-
-def allocation_peak(prof) -> int:
-    """Most bytes the CPU allocator held at once above its level at the start of a finished
-    ``torch.profiler.profile(profile_memory=True)`` run (its allocation events, in time order)."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size))
-    current = peak = 0
-    for _, size in sorted(events):
-        current += size
-        peak = max(peak, current)
-    return peak
 
 
 def live_tensor_bytes() -> int:
@@ -534,3 +522,404 @@ def print_online(results: list[dict], args) -> None:
                 f"{a['grad_norms'][0]:.7f} vs {t['grad_norms'][0]:.7f}, second loss {a['losses'][1]:.8f} vs "
                 f"{t['losses'][1]:.8f}"
             )
+
+
+# --- the offline workloads ---------------------------------------------------------------------------
+
+OFFLINE_WORKLOADS = ("sft", "reward", "dpo_cached", "dpo_live")
+WORKLOADS = OFFLINE_WORKLOADS + ONLINE_WORKLOADS
+SIDES = ("alignlit", "trl")
+TRL_VERSION = "1.16.0"
+MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, head_dim=64, intermediate_size=640)
+
+
+# ------------------------------------------------------------------------------ shared assets
+
+
+def build_assets(root: Path, args) -> dict:
+    """Simulated data, tokenizer, policy and reward-model directories, and the tokenised examples."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from alignlit.data.encoding import Truncation
+    from alignlit.data.preference import PairEncoder
+    from alignlit.data.records import read_records
+    from alignlit.data.tokenizer import load_tokenizer
+    from alignlit.models import export_pretrained, make_tiny_llama
+    from alignlit.sim import make_data, write_tokenizer
+
+    needed = args.batch_size * (args.warmup + args.steps)
+    sim = root / "sim"
+    prompts = max(10, args.rollout_prompts * (args.online_warmup + args.rollouts))
+    make_data(sim, seed=0, n_sft=needed, n_pairs=needed, n_prompts=prompts, n_val=10, n_test=10)
+    write_tokenizer(str(sim), vocab_size=args.vocab)
+    tokenizer = load_tokenizer(sim / "tokenizer")
+    policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=512, **MODEL)
+    export_pretrained(policy, tokenizer, root / "policy", stage="bench")
+    torch.manual_seed(1)  # the reward model's fresh scalar head, saved so both sides load the same one
+    reward = AutoModelForSequenceClassification.from_pretrained(str(root / "policy"), num_labels=1)
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(str(root / "reward"))
+    tokenizer.save_pretrained(str(root / "reward"))
+
+    truncation = Truncation(tokenizer, max_length=args.max_length, max_prompt_length=args.max_prompt_length)
+    sft = []
+    for record in read_records(sim / "sft_train.jsonl")[:needed]:
+        enc = truncation.encode(record.fields["prompt"], record.fields["response"], record.source)
+        sft.append({"input_ids": enc.input_ids, "prompt_length": enc.prompt_length})
+    encoder = PairEncoder(tokenizer, max_length=args.max_length, max_prompt_length=args.max_prompt_length)
+    pairs = []
+    for record in read_records(sim / "pairs_train.jsonl")[:needed]:
+        f = record.fields
+        chosen = encoder.encode(f["prompt"], f["chosen"], record.source)
+        rejected = encoder.encode(f["prompt"], f["rejected"], record.source)
+        pairs.append(
+            {
+                "prompt_ids": chosen.input_ids[: chosen.prompt_length],
+                "chosen_ids": chosen.input_ids[chosen.prompt_length :],
+                "rejected_ids": rejected.input_ids[rejected.prompt_length :],
+                "prompt": f["prompt"],
+                "chosen": f["chosen"],
+                "rejected": f["rejected"],
+            }
+        )
+    (root / "sft.json").write_text(json.dumps(sft))
+    (root / "pairs.json").write_text(json.dumps(pairs))
+
+    embedding = policy.get_input_embeddings().weight.numel()
+    score = reward.score.weight.numel()
+    backbone = sum(p.numel() for p in policy.parameters()) - policy.lm_head.weight.numel()
+    return {
+        "parameters": sum(p.numel() for p in policy.parameters()),
+        "matmul_parameters": {"policy": backbone - embedding + policy.lm_head.weight.numel(),
+                              "reward": backbone - embedding + score},
+        "vocab": len(tokenizer),
+        "sft": sft,
+        "pairs": pairs,
+    }  # fmt: skip
+
+
+def batch_tokens(workload: str, assets: dict, args) -> list[tuple[int, int]]:
+    """(real, padded) tokens of every batch, as both sides collate it (right padding to the longest row)."""
+    out = []
+    for b in range(args.warmup + args.steps):
+        if workload == "sft":
+            rows = [
+                len(e["input_ids"]) for e in assets["sft"][b * args.batch_size : (b + 1) * args.batch_size]
+            ]
+        else:
+            chunk = assets["pairs"][b * args.batch_size : (b + 1) * args.batch_size]
+            rows = [
+                len(e["prompt_ids"]) + len(e[side]) for side in ("chosen_ids", "rejected_ids") for e in chunk
+            ]
+        out.append((sum(rows), len(rows) * max(rows)))
+    return out
+
+
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 5) -> float:
+    """Best float32 matmul FLOP/s of this process on ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+# ------------------------------------------------------------------------------------ workers
+
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv", "aten::dot"}
+
+
+def step_breakdown(events, wall: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step in matmuls, attention, the optimizer step, other tensor ops, and outside
+    tensor ops (Python, framework, autograd engine): the wall time no aten op accounts for."""
+    totals = dict.fromkeys(("matmul", "attention", "optimizer", "other_ops"), 0.0)
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent, in_optimizer = e.cpu_parent, False
+        while parent is not None and not in_optimizer:
+            in_optimizer = parent.name in (OPTIMIZER_MARK, "Optimizer.zero_grad#AdamW.zero_grad")
+            parent = parent.cpu_parent
+        if in_optimizer:
+            key = "optimizer"
+        elif e.name in MATMUL_OPS:
+            key = "matmul"
+        elif "scaled_dot_product" in e.name or "flash_attention" in e.name:
+            key = "attention"
+        else:
+            key = "other_ops"
+        totals[key] += e.self_cpu_time_total / 1e3  # ms
+    totals["python_framework"] = max(0.0, wall * 1e3 - sum(totals.values()))
+    return {k: v / steps for k, v in totals.items()}
+
+
+OPTIMIZER_MARK = "bench::adamw_update"
+
+
+def mark_optimizer_update() -> None:
+    """Wrap AdamW's update (``torch.optim.adam.adam``, which ``Adam.step`` calls after any closure)
+    in a profiler range: Lightning runs forward and backward inside ``optimizer.step(closure)``."""
+    import torch.optim.adam as adam_module
+    from torch.profiler import record_function
+
+    update = adam_module.adam
+
+    def marked(*args, **kwargs):
+        with record_function(OPTIMIZER_MARK):
+            return update(*args, **kwargs)
+
+    adam_module.adam = marked
+
+
+class StepClock:
+    """Wall and CPU time at the end of every optimizer step, the first step's loss, (``profile``)
+    a torch.profiler breakdown of the timed steps, and (``memory``) the peak memory of the first timed
+    step (``vs_trl_online.MemoryWindow``)."""
+
+    def __init__(self, warmup: int, total: int, profile: bool = False, memory: bool = False):
+        self.warmup, self.total, self.profile, self.memory = warmup, total, profile, memory
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.first_loss: float | None = None
+        self.profiler = None
+        self.events = None
+        self.window = MemoryWindow() if memory else None
+
+    def tick(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        if self.window is not None and len(self.wall) == self.warmup:
+            self.window.start()
+        elif self.window is not None and len(self.wall) == self.warmup + 1:
+            self.window.stop()
+        if self.profile and len(self.wall) == self.warmup:
+            from torch.profiler import ProfilerActivity, profile
+
+            mark_optimizer_update()
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.start()
+        if self.profiler is not None and len(self.wall) == self.total:
+            self.profiler.stop()
+            self.events = self.profiler.events()
+
+    def result(self) -> dict:
+        steps = len(self.wall) - self.warmup
+        seconds = self.wall[-1] - self.wall[self.warmup - 1]
+        out = {
+            "steps": steps,
+            "seconds": seconds,
+            "cpu_seconds": self.cpu[-1] - self.cpu[self.warmup - 1],
+            "first_loss": self.first_loss,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if self.window is not None:
+            out["memory"] = self.window.result
+        if self.events is not None:
+            out["profile_ms_per_step"] = step_breakdown(self.events, seconds, steps)
+            averages = sorted(self.events.key_averages(), key=lambda a: -a.self_cpu_time_total)
+            out["top_ops_ms_per_step"] = {a.key: a.self_cpu_time_total / 1e3 / steps for a in averages[:12]}
+        return out
+
+
+def alignlit_worker(workload: str, root: Path, args) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from alignlit.callbacks import CompileDecoder
+    from alignlit.data.encoding import Encoded, collate_lm
+    from alignlit.data.preference import PairExample, collate_preference
+    from alignlit.data.processing import Pair
+    from alignlit.models.forward_settings import use_forward_settings
+    from alignlit.modules import DPOModule, Optim, RewardModule, SFTModule
+
+    optim = Optim(
+        lr=args.lr,
+        betas=(0.9, 0.999),
+        weight_decay=args.weight_decay,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+        fused=False if args.no_fused_adamw else None,  # None: alignlit's default (fused where it applies)
+    )
+    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile, getattr(args, "memory", False))
+    size = args.batch_size
+    checkpointing = getattr(args, "gradient_checkpointing", False)
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if clock.first_loss is None:
+                clock.first_loss = float(outputs["loss"])
+            clock.tick()
+
+    if workload == "sft":
+        data = [
+            Encoded(e["input_ids"], e["prompt_length"]) for e in json.loads((root / "sft.json").read_text())
+        ]
+        module = SFTModule(policy=str(root / "policy"), optim=optim, gradient_checkpointing=checkpointing)
+        pad = module.tokenizer.pad_token_id
+
+        def collate(examples):
+            return collate_lm(examples, pad)
+    else:
+        data = []
+        for e in json.loads((root / "pairs.json").read_text()):
+            prompt = e["prompt_ids"]
+            chosen = Encoded(prompt + e["chosen_ids"], len(prompt))
+            rejected = Encoded(prompt + e["rejected_ids"], len(prompt))
+            data.append(PairExample(chosen, rejected, 0.0, Pair(e["prompt"], e["chosen"], e["rejected"])))
+        if workload == "reward":
+            module = RewardModule(
+                model=str(root / "reward"), optim=optim, histogram=False, gradient_checkpointing=checkpointing
+            )
+        else:
+            module = DPOModule(
+                policy=str(root / "policy"),
+                reference=str(root / "policy"),
+                beta=0.1,
+                precompute_reference=workload == "dpo_cached",
+                reference_cache_dir=str(root / f"cache-{os.getpid()}"),
+                optim=optim,
+                gradient_checkpointing=checkpointing,
+            )
+        pad = module.tokenizer.pad_token_id
+
+        def collate(examples):
+            return collate_preference(examples, pad)
+
+    class Data(L.LightningDataModule):
+        def __init__(self, train_file: str):
+            super().__init__()
+            self.save_hyperparameters()
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=size, shuffle=False, collate_fn=collate)
+
+        def val_dataloader(self):
+            return []
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[
+            Clock(),
+            *([CompileDecoder()] if args.compile else []),
+        ],  # --compile: as a user switches it on
+    )
+    settings = {"packing": not args.no_packing, "fused_head": not args.no_fused_head}
+    with use_forward_settings(**settings):
+        trainer.fit(module, datamodule=Data(str(root / "pairs.json")))
+    return clock.result()
+
+
+def trl_worker(workload: str, root: Path, args) -> dict:
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+
+    from alignlit.data.tokenizer import load_tokenizer
+
+    clock = StepClock(args.warmup, args.warmup + args.steps, args.profile, getattr(args, "memory", False))
+    tokenizer = load_tokenizer(root / "policy")
+    common = dict(
+        output_dir=str(root / f"trl-{os.getpid()}"),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.warmup + args.steps,
+        learning_rate=args.lr,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=args.weight_decay,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=0.0,
+        # TRL's default with torch >= 2.8 is the fused kernel, as alignlit's; --no-fused-adamw: both loop
+        optim="adamw_torch" if args.no_fused_adamw else "adamw_torch_fused",
+        bf16=False,
+        gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        train_sampling_strategy="sequential",
+        seed=0,
+    )
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args_, state, control, **kwargs):
+            clock.tick()
+
+    def first_loss(cls):
+        class Recorded(cls):
+            def compute_loss(self, *a, **kw):
+                out = super().compute_loss(*a, **kw)
+                if clock.first_loss is None:
+                    loss = out[0] if isinstance(out, tuple) else out
+                    clock.first_loss = float(loss.detach())
+                return out
+
+            def _prepare_dataset(self, dataset, *a, **kw):  # already tokenised by the benchmark
+                return dataset if workload.startswith("dpo") else super()._prepare_dataset(dataset, *a, **kw)
+
+        return Recorded
+
+    if workload == "sft":
+        rows = [
+            {"input_ids": e["input_ids"], "completion_mask": [0] * e["prompt_length"] + [1] * (len(e["input_ids"]) - e["prompt_length"])}
+            for e in json.loads((root / "sft.json").read_text())
+        ]  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(str(root / "policy"), dtype=torch.float32)
+        config = trl.SFTConfig(max_length=args.max_length, completion_only_loss=True, **common)
+        trainer = first_loss(trl.SFTTrainer)(
+            model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+            callbacks=[Clock()],
+        )  # fmt: skip
+    elif workload == "reward":
+        rows = [
+            {
+                "chosen_ids": e["prompt_ids"] + e["chosen_ids"],
+                "rejected_ids": e["prompt_ids"] + e["rejected_ids"],
+            }
+            for e in json.loads((root / "pairs.json").read_text())
+        ]
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(root / "reward"), num_labels=1, dtype=torch.float32
+        )
+        config = trl.RewardConfig(max_length=args.max_length, **common)
+        trainer = first_loss(trl.RewardTrainer)(
+            model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+            callbacks=[Clock()],
+        )  # fmt: skip
+    else:
+        rows = [
+            {k: e[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}
+            for e in json.loads((root / "pairs.json").read_text())
+        ]
+        model = AutoModelForCausalLM.from_pretrained(str(root / "policy"), dtype=torch.float32)
+        live = workload == "dpo_live"
+        reference = (
+            AutoModelForCausalLM.from_pretrained(str(root / "policy"), dtype=torch.float32) if live else None
+        )
+        config = trl.DPOConfig(
+            beta=0.1, max_length=args.max_length, precompute_ref_log_probs=not live, **common
+        )
+        trainer = first_loss(trl.DPOTrainer)(
+            model=model, ref_model=reference, args=config, train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer, callbacks=[Clock()],
+        )  # fmt: skip
+    trainer.train()
+    return clock.result()

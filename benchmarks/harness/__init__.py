@@ -14,7 +14,7 @@ import hashlib
 import itertools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 SCALES = ("quickstart", "paper")
 COMMAND = "#   alignlit fit --config "
@@ -221,6 +221,25 @@ class Cells:
         return result
 
 
+def code_stamp() -> str:
+    """The checkout's commit plus a hash of its uncommitted changes to tracked files: a measurement cell
+    (``Cells.run(key, measure, spec={..., "code": code_stamp()})``) is read back only for the same code."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        res = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return res.stdout if res.returncode == 0 else ""
+
+    diff = git("diff", "HEAD")
+    head = git("rev-parse", "HEAD").strip() or "no-git"
+    return head + (f"+{hashlib.sha256(diff.encode()).hexdigest()[:12]}" if diff else "")
+
+
+def measurement_cells(name: str, work: str | Path | None = None) -> Cells:
+    """The cells of measuring benchmark ``name`` (default ``out/bench/<name>``): a cut run resumes."""
+    return Cells(Path(work) if work else ROOT / "out" / "bench" / name)
+
+
 def _jsonable(value):
     import json
 
@@ -245,7 +264,7 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 def write_results(
     name: str,
-    data: dict,
+    data: dict | None,
     *,
     command: str | None = None,
     table: str | None = None,
@@ -253,8 +272,9 @@ def write_results(
     plot=None,
     results_dir: str | Path = RESULTS,
 ) -> dict[str, Path]:
-    """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine``, ``commit``, ``date``), and with
-    ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png``.
+    """``<results_dir>/<name>.json`` (``data`` with ``command``, ``machine`` (its own keys kept), ``commit``, ``date``), and with
+    ``table`` (markdown) ``<name>.md`` ending in the command, and with ``plot(path)`` ``<name>.png`` (``plot`` a
+    dict ``{file name: plot}``: those files, keyed by stem in the returned paths).
     ``nox -s bench -- <name>`` runs ``command`` again."""
     import json
     import time
@@ -262,21 +282,25 @@ def write_results(
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     command = command or command_line()
-    record = {"name": name, "command": command, **data}
-    record.setdefault("machine", machine())
+    record = {"name": name, "command": command, **(data or {})}
+    own = record.get("machine")  # a script's own machine keys are kept, besides machine()'s
+    record["machine"] = {**machine(), **own} if isinstance(own, dict) else own or machine()
     record.setdefault("commit", commit())
     record.setdefault("date", time.strftime("%Y-%m-%d"))
-    out = {"json": results_dir / f"{name}.json"}
-    out["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
+    out = {}
+    if data is not None:  # None: a table (and plot) only, its command in the table's last lines
+        out["json"] = results_dir / f"{name}.json"
+        out["json"].write_text(json.dumps(record, indent=1, default=str) + "\n")
     if table is not None:
         head = f"# {title}\n\n" if title else ""
         where = record["commit"].get("commit") if isinstance(record["commit"], dict) else record["commit"]
         foot = f"\n\nCommand: `{command}`\n\nMachine: {_machine_line(record['machine'])}; commit {where}; {record['date']}\n"
         out["md"] = results_dir / f"{name}.md"
         out["md"].write_text(head + table.rstrip() + foot)
-    if plot is not None:
-        out["png"] = results_dir / f"{name}.png"
-        plot(out["png"])
+    plots = plot if isinstance(plot, dict) else {f"{name}.png": plot} if plot is not None else {}
+    for file, draw in plots.items():  # a dict names its files: {"quality_frontier.png": draw, ...}
+        out[Path(file).stem if isinstance(plot, dict) else "png"] = results_dir / file
+        draw(results_dir / file)
     return out
 
 
@@ -463,3 +487,73 @@ def quickstart_stages(root: Path) -> list[tuple]:
         (root / "out/quickstart/sft/config.json", ["fit", *config_args("sft")]),
         (root / "out/quickstart/reward/config.json", ["fit", *config_args("reward")]),
     ]
+
+
+# --- helpers several benchmarks share ----------------------------------------------------------------
+
+QWEN = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+)  # fmt: skip  # Qwen2.5-0.5B's architecture (a Qwen2Config's keys); the benchmarks give it random weights
+
+
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample std of the values that are not None (std None for fewer than two)."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def pm(mean, std, digits=3) -> str:
+    """``mean ± std`` (``mean`` alone without a std, empty without a mean)."""
+    if mean is None:
+        return ""
+    return f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def fmt_s(seconds: float) -> str:
+    """``1h02m`` / ``3m05s``."""
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def allocation_peak(prof) -> int:
+    """Most bytes the CPU allocator held at once above its level at the start of a finished
+    ``torch.profiler.profile(profile_memory=True)`` run (its allocation events, in time order)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+GSM8K = Path(
+    "/work/shared/data/gsm8k/train.jsonl.gz"
+)  # GSM8K's train split, where this checkout's machines keep it
+if not GSM8K.is_file():
+    GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl.gz"
+
+
+def hash_reward(prompts, responses, answer):
+    """1.0 when the number after the response's last '####' equals the gold's (GSM8K's answer format)."""
+
+    def final(text: str) -> str:
+        return text.rsplit("####", 1)[-1].strip().replace(",", "") if "####" in text else ""
+
+    return [float(final(r) != "" and final(r) == final(a)) for r, a in zip(responses, answer)]
