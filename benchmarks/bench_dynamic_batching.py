@@ -105,12 +105,12 @@ def measure(args, work: Path, budget: int | None, packing) -> dict:
             start = time.perf_counter()
             trajectory, _ = module.make_trajectory(Experience(rollout, rewards))
             mid = time.perf_counter()
-            module.micro_stats.reset()
+            module.updates.stats.reset()
             module.train_on(trajectory)
             end = time.perf_counter()
             logprob_s.append(mid - start)
             update_s.append(end - mid)
-            stats = module.micro_stats.metrics()
+            stats = module.updates.stats.metrics()
     steps = -(-len(lengths) // args.size)
     width = rollout.prompt_ids.shape[1] + rollout.response_ids.shape[1]
     return {

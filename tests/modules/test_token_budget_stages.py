@@ -81,7 +81,7 @@ def experience(module) -> Experience:
 
 
 def with_budget(module, budget) -> None:
-    module.minibatch_plan = dataclasses.replace(module.minibatch_plan, token_budget=budget)
+    module.updates.plan = dataclasses.replace(module.updates.plan, token_budget=budget)
     module.trajectories.token_budget = budget
 
 
@@ -149,16 +149,16 @@ def test_micro_batch_count_and_padding_share_by_hand(tiny_policy_dir, reference_
     exp = experience(module)
     for budget, count, share in ((48, 3.0, 1 - 98 / 117), (1, 8.0, 0.0), (10_000, 1.0, 1 - 98 / 8 / 24)):
         with_budget(module, budget)
-        module.micro_stats.reset()
+        module.updates.stats.reset()
         module.train_on(module.make_trajectory(exp)[0])
-        assert module.micro_stats.metrics() == {
+        assert module.updates.stats.metrics() == {
             "perf/microbatches": count,
             "perf/padding_share": pytest.approx(share, abs=1e-12),
         }
     with_budget(module, None)
-    module.micro_stats.reset()
+    module.updates.stats.reset()
     module.train_on(module.make_trajectory(exp)[0])
-    assert module.micro_stats.metrics() == {}  # nothing logged without a budget
+    assert module.updates.stats.metrics() == {}  # nothing logged without a budget
 
 
 def test_fit_with_a_budget_trains_the_same_policy(tiny_policy_dir, reference_dir, tmp_path):
@@ -214,10 +214,12 @@ def test_more_micro_batches_for_other_ranks_keep_the_gradient(tiny_policy_dir, r
     exp = experience(module)
     module.train_on(module.make_trajectory(exp)[0])
     with_budget(module, 48)
-    module._micro_batch_count = lambda own: count if own == 3 else pytest.fail(f"{own} micro-batches")
-    module.micro_stats.reset()
+    module.updates.count_micro_batches = lambda own: (
+        count if own == 3 else pytest.fail(f"{own} micro-batches")
+    )
+    module.updates.stats.reset()
     metrics = module.train_on(module.make_trajectory(exp)[0])
-    assert module.micro_stats.metrics()["perf/microbatches"] == count
+    assert module.updates.stats.metrics()["perf/microbatches"] == count
     assert_grads_close(recorder.grads[1:], recorder.grads[:1])
     assert metrics["policy/grad_norm"] > 0
 

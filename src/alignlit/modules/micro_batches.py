@@ -5,8 +5,8 @@ With a budget, the forward/backward passes of one optimiser step are not one pas
 (:func:`~alignlit.ops.token_budget_microbatches` over the rows' real lengths), each cut to its own longest
 row (:func:`padding_bounds`). Each micro-batch's loss is scaled by its
 :func:`~alignlit.losses.aggregation_share`, so that the accumulated gradient is that of the whole
-minibatch under the stage's aggregation (:meth:`OnlineSteps.update_on
-<alignlit.modules.online_steps.OnlineSteps.update_on>`). The no-grad passes of a trajectory (old and
+minibatch under the stage's aggregation (:meth:`Updates.step_on
+<alignlit.modules.online_steps.Updates.step_on>`). The no-grad passes of a trajectory (old and
 reference log-probs, values, a teacher's log-probs) are split the same way (:func:`forward_in_budget`).
 """
 

@@ -9,7 +9,8 @@ Lightning 2.x has no loop-replacement API, so an online stage uses manual optimi
 
 The parts (:class:`~alignlit.rollout.collector.Collector`, :class:`~alignlit.rollout.ahead.AheadCollector`,
 :class:`~alignlit.modules.trajectory_maker.TrajectoryMaker`, :class:`~alignlit.modules.online_prompts.TrainingPrompts`,
-:class:`~alignlit.modules.online_parts.PtxMixer`, :class:`~alignlit.modules.online_parts.Validation`) hold their
+:class:`~alignlit.modules.online_parts.PtxMixer`, :class:`~alignlit.modules.online_parts.Validation`,
+:class:`~alignlit.modules.online_steps.Updates`) hold their
 own settings and state; the module holds the models, the KL controller, the policy's version, the LR schedules,
 gradient clipping, the statistics over data-parallel ranks and the curves, and checkpoints
 ``{part: part.state_dict()}`` (:meth:`OnlineModule.checkpoint_parts`) without the frozen models.
@@ -18,6 +19,7 @@ gradient clipping, the statistics over data-parallel ranks and the curves, and c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -29,8 +31,7 @@ from alignlit.lightning_internals import attached_trainer
 from alignlit.models.loading import check_dtype
 from alignlit.models.lora import AdapterDisabled, LoRA
 from alignlit.models.tiny import TinyLlama
-from alignlit.modules.base import AlignModule, Optim
-from alignlit.modules.micro_batches import MicroBatchStats
+from alignlit.modules.base import AlignModule, Optim, check_finite
 from alignlit.modules.online_parts import (
     KLPenalty,
     PhaseDisplay,
@@ -43,7 +44,7 @@ from alignlit.modules.online_parts import (
 )
 from alignlit.modules.online_prompts import TrainingPrompts
 from alignlit.modules.online_state import Progress, Stateful, StateOf, load_state, save_state, write_curves
-from alignlit.modules.online_steps import OnlineSteps
+from alignlit.modules.online_steps import LossFn, Updates
 from alignlit.modules.trajectory import Minibatches, Trajectory
 from alignlit.modules.trajectory_maker import TrajectoryMaker, resolve_correction
 from alignlit.ops import DynamicSampling, Overlong
@@ -57,7 +58,7 @@ from alignlit.rollout.reward_protocol import Reward, RewardFn
 __all__ = ["KLPenalty", "OnlineModule", "PtxMix", "TrainedModel"]
 
 
-class OnlineModule(OnlineSteps, AlignModule):
+class OnlineModule(AlignModule):
     """Base of the online stages; a subclass implements :meth:`train_on` (and for state of its own
     :meth:`online_state_dict` / :meth:`load_online_state_dict`).
 
@@ -165,8 +166,6 @@ class OnlineModule(OnlineSteps, AlignModule):
         check_collection(self.rollout, overlong=overlong, dynamic_sampling=dynamic_sampling)
         self.automatic_optimization = False
         self.gradient_checkpointing, self.shard_frozen = gradient_checkpointing, shard_frozen
-        self.max_grad_norm = max_grad_norm
-        self.minibatch_plan = minibatches
         self.kl, self.kl_ctl = kl, (kl.controller() if kl is not None else None)
         self.ptx_mixer = PtxMixer(ptx)
         self.curves_file = curves_file
@@ -206,8 +205,9 @@ class OnlineModule(OnlineSteps, AlignModule):
         self.resume_notice = ""
         """Why a resumed asynchronous run cannot match the uninterrupted one ("" when it can)."""
         self._phase = PhaseDisplay()
-        self._stepped: set[int] = set()
-        self.micro_stats = MicroBatchStats()
+        self.updates = Updates(
+            self, minibatches, self.progress, max_grad_norm=max_grad_norm, add_ptx=self.add_ptx
+        )
         self._planned_rollouts = 1
 
     # ------------------------------------------------------------------ what a stage implements
@@ -313,8 +313,8 @@ class OnlineModule(OnlineSteps, AlignModule):
         stage on it (:meth:`train_on`), adapt the KL controller and step the LR schedules of the models it
         updated; ``time/train_s``, ``lr/*``."""
         self._phase.show(self.trainer, "train")
-        start, self._stepped = time.perf_counter(), set()
-        self.micro_stats.reset()
+        start = time.perf_counter()
+        self.updates.start_rollout()
         if experience is None:
             metrics = self.skip("every group's rewards are equal (no informative group)")
         else:
@@ -324,15 +324,18 @@ class OnlineModule(OnlineSteps, AlignModule):
                 metrics |= self.skip(f"{tokens} loss token(s), {self.stage} needs {self.min_loss_tokens}")
             else:
                 metrics |= self.train_on(trajectory)
-                if self.kl_ctl is not None and 0 in self._stepped:  # the mean KL over the global batch
+                if self.kl_ctl is not None and 0 in self.updates.stepped:  # the mean KL over the global batch
                     kl_sum, count = metrics["kl/ref"] * len(trajectory), len(trajectory)
                     update_kl_controller(self.kl_ctl, kl_sum, count, self.all_reduce_sum, self.device)
-        schedulers = self._listed(self.lr_schedulers())
-        for index in sorted(self._stepped):  # a schedule counts the rollouts its model was updated in
+        schedulers = self.lr_schedulers()
+        schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
+        for index in sorted(self.updates.stepped):  # a schedule counts the rollouts its model was updated in
             schedulers[index].step()
-        self.progress.trained_rollouts += bool(self._stepped)
-        self.progress.policy_version += 0 in self._stepped  # the policy (trained model 0) took the updates
-        metrics |= self.micro_stats.metrics()  # perf/*, with minibatches.token_budget
+        self.progress.trained_rollouts += bool(self.updates.stepped)
+        self.progress.policy_version += (
+            0 in self.updates.stepped
+        )  # the policy (trained model 0) took the updates
+        metrics |= self.updates.stats.metrics()  # perf/*, with minibatches.token_budget
         metrics["time/train_s"] = time.perf_counter() - start
         for trained, scheduler in zip(self.trained_models(), schedulers):
             metrics[f"lr/{trained.name}"] = scheduler.get_last_lr()[0]
@@ -358,6 +361,41 @@ class OnlineModule(OnlineSteps, AlignModule):
         """(N, T) log-probs of the response tokens ``ids`` under ``model`` on this module's device
         (:meth:`~alignlit.modules.trajectory_maker.TrajectoryMaker.logprobs`)."""
         return self.trajectories.logprobs(model, ids, device=self.device, temperature=temperature)
+
+    # ------------------------------------------------------------------ what train_on calls
+    def minibatches(self, num_rows: int) -> Iterator[torch.Tensor]:
+        """The row indices of each optimiser step over ``num_rows`` rows (:meth:`Updates.minibatches
+        <alignlit.modules.online_steps.Updates.minibatches>`)."""
+        return self.updates.minibatches(num_rows)
+
+    def trainable(self, trajectory: Trajectory) -> Trajectory:
+        """The samples to update on: those with a loss token; with several ranks all of them (masked),
+        so that every rank takes as many optimiser steps."""
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
+            return trajectory
+        return trajectory.with_loss_tokens()
+
+    def update(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """One clipped optimiser step of the trained model ``name`` on ``loss``; the norm before clipping
+        (:meth:`Updates.step <alignlit.modules.online_steps.Updates.step>`)."""
+        return self.updates.step(name, loss)
+
+    def update_on(self, name: str, mb: Trajectory, loss_fn: LossFn, **kwargs) -> dict[str, torch.Tensor]:
+        """One optimiser step on minibatch ``mb`` (:meth:`Updates.step_on
+        <alignlit.modules.online_steps.Updates.step_on>`: ``aggregation``, ``what``, ``ptx``)."""
+        return self.updates.step_on(name, mb, loss_fn, **kwargs)
+
+    def skip(self, reason: str) -> dict[str, float]:
+        """Count a rollout the stage cannot learn from (e.g. no loss token) and say why."""
+        self.progress.skipped_rollouts += 1
+        print(f"alignlit: rollout {self.rollout.rollouts} skipped: {reason}")
+        return {"rollout/skipped": 1.0}
+
+    def add_ptx(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], *, what: str) -> torch.Tensor:
+        """``loss + ptx.coef · NLL`` on the next ptx batch (metric ``ptx_nll``), checked finite."""
+        loss = self.ptx_mixer.add(loss, metrics, self.policy, self.device)
+        check_finite(loss, what=what, step=self.global_step, metrics=metrics)
+        return loss
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:

@@ -185,7 +185,7 @@ class PolicyGradientModule(OnlineModule):
             )
         self.min_loss_tokens = 2 if self.per_token else 1  # REINFORCE++'s whitening needs two values
         self.max_length = max_length or self.rollout.sampling.max_new_tokens
-        if self.minibatch_plan.token_budget is not None:  # the aggregation's unit shares its micro-batches
+        if self.updates.plan.token_budget is not None:  # the aggregation's unit shares its micro-batches
             one = torch.ones(1, 1, dtype=torch.bool)
             try:
                 aggregation_share(self.aggregate, one, one)
