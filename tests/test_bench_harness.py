@@ -4,7 +4,6 @@ commit, and one command per committed result (what `nox -s bench -- NAME` runs).
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -78,12 +77,7 @@ def test_every_committed_result_names_its_command(name):
         if words[:2] == ["python3", "-m"] or words[0] == "cp":
             continue
         assert words[0] == "python" and (ROOT / words[1]).is_file(), step
-        source = (ROOT / words[1]).read_text()
-        for module in re.findall(
-            r"^from harness(?:\.(\w+)| import (\w+) as)", source, re.M
-        ):  # its parser's home
-            path = ROOT / "benchmarks" / "harness" / f"{module[0] or module[1]}.py"
-            source += path.read_text() if path.exists() else ""
+        source = harness.script_source(ROOT / words[1])  # with its parser's home
         for word in words[2:]:
             if word.startswith("--"):
                 assert f'"{word.split("=")[0]}"' in source, f"{name}: {word} is not an option of {words[1]}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,6 +314,17 @@ def _machine_line(info) -> str:
 
 
 # --- one command per committed result --------------------------------------------------------------
+
+
+def script_source(script: str | Path) -> str:
+    """The text of benchmark ``script`` and of the harness modules it imports (where its parser may be):
+    what a check of a documented command's options reads."""
+    script = Path(script)
+    source = script.read_text()
+    for module in re.findall(r"^from harness(?:\.(\w+)| import (\w+) as)", source, re.M):
+        path = Path(__file__).resolve().parent / f"{module[0] or module[1]}.py"
+        source += path.read_text() if path.exists() else ""
+    return source
 
 
 def result_names(results_dir: str | Path = RESULTS) -> list[str]:

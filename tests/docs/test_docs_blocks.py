@@ -41,6 +41,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402  (benchmarks/harness: which options a benchmark script has)
+
 LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash", "console": "bash"}
 REASONS = {
     "gpu": "needs GPUs",
@@ -236,7 +239,7 @@ def check_command(words: list[str]) -> str | None:
         script = ROOT / words[1]
         if not script.is_file():
             return f"no script {words[1]}"
-        text = script.read_text()
+        text = harness.script_source(script)  # the script and the harness module its parser is in
         unknown = [
             w.split("=")[0] for w in words[2:] if w.startswith("--") and f'"{w.split("=")[0]}"' not in text
         ]

@@ -3,6 +3,7 @@ data-parallel layout of requests, and errors naming the endpoint of a dead or hu
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import socket
 import threading
@@ -111,7 +112,9 @@ def _receiver(port: int, plan: dict, out) -> None:
     got = {}
     for names, tensors in receive_buckets(group, WirePlan(**plan)):
         got.update({n: t.clone() for n, t in zip(names, tensors)})
-    out.put(got)
+    buffer = io.BytesIO()  # bytes, not tensors: a queued tensor's shared storage dies with this process
+    torch.save(got, buffer)
+    out.put(buffer.getvalue())
 
 
 def test_gloo_broadcast_delivers_equal_tensors_to_another_process():
@@ -129,7 +132,7 @@ def test_gloo_broadcast_delivers_equal_tensors_to_another_process():
     proc.start()
     group = open_group("127.0.0.1", store.port, 0, 2, 60, store=store)
     broadcast_buckets(group, plan, list(state.values()))
-    got = out.get(timeout=60)
+    got = torch.load(io.BytesIO(out.get(timeout=60)))
     proc.join(timeout=30)
     assert list(got) == list(state)
     for name, t in state.items():
