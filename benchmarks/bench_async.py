@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import command_line, quickstart_stages, read_json, write_results
 from harness import prepare as harness_prepare
-from harness.async_runs import PHASES, collect, format_table, plot, table
+from harness.async_runs import PHASES, SYNC_BASE, collect, format_table, plot, table
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -52,6 +52,9 @@ CONFIGS = {
     "ppo": ("configs/quickstart/ppo.yaml", []),
     # one pass over each rollout (DeepSeekMath's GRPO, mu = 1): half the trainer's work per step
     "grpo-1epoch": ("configs/quickstart/grpo.yaml", ["--model.init_args.minibatches.epochs=1"]),
+    # partial rollouts: each rollout generated ahead in segments of 8 new tokens, every segment from the newest
+    # weights the staleness bound allows (k >= 1 only; its speed-up is against grpo's k = 0)
+    "grpo-partial": ("configs/quickstart/grpo.yaml", ["--model.init_args.rollout.partial=8"]),
 }
 
 
@@ -115,6 +118,7 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
             "samples": h.get("rollout/samples", 0.0),
             "wait": h.get("async/wait_s", h["time/rollout_s"]),
             "staleness": h.get("async/staleness_max", 0.0),
+            "token_staleness": h.get("async/token_staleness_mean"),  # partial rollouts: per token
             **{name: h.get(key, 0.0) for name, key in PHASES.items()},
         }
         for h in history
@@ -130,6 +134,10 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
         "first_step_s": steps[0]["seconds"],
         "phases_s": {name: sum(s[name] for s in steady) / len(steady) for name in PHASES},
         "staleness": [s["staleness"] for s in steps], "policy": str(run / "policy"),
+        "token_staleness_mean": (
+            sum(s["token_staleness"] for s in steady) / len(steady)
+            if all(s["token_staleness"] is not None for s in steady) else None
+        ),
     }  # fmt: skip
     run.mkdir(parents=True, exist_ok=True)
     record_file.write_text(json.dumps(record, indent=1) + "\n")
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--root", default=".", help="folder with data/sim and out/quickstart/{sft,reward}")
     p.add_argument("--work", default="out/bench_async", help="run folders (relative to --root)")
     p.add_argument("--results", default=str(ROOT / "benchmarks/results"))
+    p.add_argument("--name", default="async", help="results file name (<results>/<name>.{json,md,png})")
     p.add_argument("--stages", nargs="+", default=["grpo", "ppo"], choices=sorted(CONFIGS))
     p.add_argument("--engines", nargs="+", default=["hf"], choices=["hf", "vllm"])
     p.add_argument("--staleness", nargs="+", type=int, default=[0, 1, 2, 4])
@@ -218,6 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
         for stage in args.stages for engine in args.engines
         for k, threads in [(k, 1) for k in args.staleness] + [(0, t) for t in args.sync_threads if t != 1]
         for seed in (args.seeds if k in seeds_for else args.seeds[:1])
+        if not (k == 0 and stage in SYNC_BASE)  # partial rollouts need k >= 1
     ]  # fmt: skip
     began = time.perf_counter()
     for i, (stage, engine, k, threads, seed) in enumerate(plan, 1):
@@ -237,9 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def report(args, records: list[dict]) -> dict:
-    """Write ``<results>/async{,_tiny}.{json,md,png}`` from the runs' records; the rows."""
+    """Write ``<results>/<name>{,_tiny}.{json,md,png}`` from the runs' records; the rows."""
     rows = table(records)
-    name = "async_tiny" if args.tiny else "async"
+    name = f"{args.name}_tiny" if args.tiny else args.name
     text = format_table(rows)
     command = command_line([__file__, *sys.argv[1:]])
     write_results(name, {"rows": rows, "runs": records}, command=command, table=text,

@@ -14,6 +14,10 @@ PHASES = {
     "ref_logp_s": "time/ref_logp_s",
 }  # fmt: skip
 
+SYNC_BASE = {"grpo-partial": "grpo"}
+"""Stages without a synchronous run of their own (partial rollouts need k >= 1): the stage whose k = 0 runs are
+their speed-up's base and overlap ceiling."""
+
 
 def table(records: list[dict]) -> list[dict]:
     """One row per (stage, engine, k, trainer threads): means (± std) over its seeds. The speed-up is against
@@ -29,11 +33,10 @@ def table(records: list[dict]) -> list[dict]:
             for r in records
             if (r["stage"], r["engine"], r["k"], r["threads"]) == (stage, engine, k, threads)
         ]
-        base = [
-            r for r in records if (r["stage"], r["engine"], r["k"], r["threads"]) == (stage, engine, 0, 1)
-        ]
+        sync = SYNC_BASE.get(stage, stage)
+        base = [r for r in records if (r["stage"], r["engine"], r["k"], r["threads"]) == (sync, engine, 0, 1)]
         synced = [
-            r for r in records if (r["stage"], r["engine"], r["k"]) == (stage, engine, 0) and r["threads"] > 1
+            r for r in records if (r["stage"], r["engine"], r["k"]) == (sync, engine, 0) and r["threads"] > 1
         ]
         sync_threads = max((r["threads"] for r in synced), default=None)
         rate, rate_std = mean_std([r["samples_per_s"] for r in runs])
@@ -60,6 +63,8 @@ def table(records: list[dict]) -> list[dict]:
             "phases_s": {name: mean_std([r["phases_s"][name] for r in runs])[0] for name in PHASES},
             "gold": mean_std(gold), "kl": mean_std(kl), "gold_seeds": len(gold),
             "staleness_histogram": dict(sorted(histogram.items())),
+            "token_staleness_mean": mean_std([r["token_staleness_mean"] for r in runs])[0]
+            if all(r.get("token_staleness_mean") is not None for r in runs) else None,
         })  # fmt: skip
     return rows
 
@@ -86,6 +91,11 @@ def format_table(rows: list[dict]) -> str:
             f"{phases['generate_s']:.3f} / {phases['score_s']:.3f} / {phases['train_s']:.3f} | {r['cores_used']:.2f} | "
             f"{pm(*r['gold'])} | {pm(*r['kl'], 2)} | {r['gold_seeds']} | "
             + ", ".join(f"{s}: {c}" for s, c in r["staleness_histogram"].items())
+            + (
+                ""
+                if r.get("token_staleness_mean") is None
+                else f" (per token: {r['token_staleness_mean']:.2f})"
+            )
             + " |"
         )
     return "\n".join(lines)

@@ -237,19 +237,19 @@ def alignlit_online_worker(workload: str, root: Path, args, mode: str = "timed")
 
     losses: list[float] = []
     norms: list[float] = []
-    policy_loss, update = module.policy_loss, module.update
+    policy_loss, step = module.policy_loss, module.updates.step
 
-    def recorded_loss(mb):
-        loss, metrics = policy_loss(mb)
+    def recorded_loss(mb, **kwargs):
+        loss, metrics = policy_loss(mb, **kwargs)
         losses.append(float(loss.detach()))
         return loss, metrics
 
-    def recorded_update(name, loss):
-        norm = update(name, loss)
+    def recorded_step(name, loss):
+        norm = step(name, loss)
         norms.append(float(norm))
         return norm
 
-    module.policy_loss, module.update = recorded_loss, recorded_update
+    module.policy_loss, module.updates.step = recorded_loss, recorded_step
     if fixed:  # the driver's completions instead of sampling
         batch = json.loads((root / "check_batch.json").read_text())["completion_ids"]
 

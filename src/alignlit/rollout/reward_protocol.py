@@ -30,8 +30,9 @@ from alignlit.rollout.base import Rollout
 
 
 @runtime_checkable
-class RewardModel(Protocol):
-    """Anything with ``score(prompts, responses) -> (N,) rewards`` (a trained reward model)."""
+class TextScorer(Protocol):
+    """Anything that scores texts, ``score(prompts, responses) -> (N,) rewards``: a trained reward model
+    (:class:`alignlit.models.RewardModel`) or an ensemble of them (:class:`alignlit.models.RewardEnsemble`)."""
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor: ...
 
@@ -48,7 +49,7 @@ RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 ``SimTask.gold_rewards``. In a config: the ``class_path`` of a callable class such as
 :class:`alignlit.sim.SimGoldReward`, or the dotted path of a function (``mypkg.rewards.length_reward``)."""
 
-Reward = RolloutScorer | RewardModel | RewardFn
+Reward = RolloutScorer | TextScorer | RewardFn
 """Any of the three reward kinds (see the module docstring)."""
 
 
@@ -170,7 +171,7 @@ def score_texts(reward: Reward, prompts: Sequence[str], responses: Sequence[str]
     prompts, responses = list(prompts), list(responses)
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if isinstance(reward, RewardModel):
+    if isinstance(reward, TextScorer):
         out = reward.score(prompts, responses, **column_kwargs(reward.score, prompts))
     elif callable(reward):
         out = reward(prompts, responses, **column_kwargs(reward, prompts))
@@ -215,7 +216,7 @@ def resolve_reward(spec: str | Reward, *, batch_size: int = 64, dtype: str = "fl
       (``mypkg.rewards.length_reward`` or ``mypkg.rewards:length_reward``).
     """
     if not isinstance(spec, str):
-        if not (isinstance(spec, (RewardModel, RolloutScorer)) or callable(spec)):
+        if not (isinstance(spec, (TextScorer, RolloutScorer)) or callable(spec)):
             raise TypeError(f"not a reward: {type(spec).__name__} (see alignlit.rollout.reward_protocol)")
         return spec
     path = Path(spec)
