@@ -97,7 +97,7 @@ def run_worker(python: str, side: str, workload: str, root: Path, args, check: b
         "--rollout-prompts", str(args.rollout_prompts), "--group", str(args.group),
         "--minibatch", str(args.minibatch), "--max-new-tokens", str(args.max_new_tokens),
         "--online-lr", str(args.online_lr), *(["--check"] if check else []),
-        "--prompt-words", str(args.prompt_words),
+        "--prompt-words", str(args.prompt_words), "--hf-generate", args.hf_generate,
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -216,6 +216,11 @@ def main() -> None:
     online.add_argument(
         "--prompt-words", type=int, default=0, help="symbols of context before each prompt (long prompts)"
     )
+    online.add_argument(
+        "--hf-generate", choices=["dynamic", "static-shared"], default="dynamic",
+        help="alignlit's HF engine: the default dynamic KV cache, or rollout.hf {kv_cache: static, "
+        "share_prompt: true} (each prompt's cache computed once for its samples)",
+    )  # fmt: skip
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--out",

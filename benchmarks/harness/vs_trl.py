@@ -209,14 +209,17 @@ def alignlit_online_worker(workload: str, root: Path, args, mode: str = "timed")
 
     from alignlit.models.forward_settings import use_forward_settings
     from alignlit.modules import KLPenalty, Minibatches, Optim, PolicyGradientModule
-    from alignlit.rollout import HFEngine, RolloutLoop, SamplingParams
+    from alignlit.rollout import HFEngine, HFEngineOptions, RolloutLoop, SamplingParams
     from alignlit.rollout.postprocess import RawSample
 
     _register_alignlit_extensions()
     prompts = json.loads((root / "prompts.json").read_text())
     optim = Optim(lr=args.online_lr, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens)
-    rollout = RolloutLoop(engine="hf", sampling=sampling, samples_per_prompt=args.group, seed=0)
+    hf = HFEngineOptions()
+    if getattr(args, "hf_generate", "dynamic") == "static-shared":
+        hf = HFEngineOptions(kv_cache="static", share_prompt=True)
+    rollout = RolloutLoop(engine="hf", sampling=sampling, samples_per_prompt=args.group, seed=0, hf=hf)
     beta = TRL_BETA[workload]
     if workload == "grpo":
         algorithm = dict(
@@ -497,7 +500,8 @@ def print_online(results: list[dict], args) -> None:
     print(
         f"\nonline step: {args.rollout_prompts} prompts x {args.group} samples per rollout, up to "
         f"{args.max_new_tokens} new tokens, minibatch {args.minibatch}; {args.rollouts} timed rollouts after "
-        f"{args.online_warmup}; seconds per rollout of the median run"
+        f"{args.online_warmup}; seconds per rollout of the median run; alignlit's HF generate: "
+        f"{getattr(args, 'hf_generate', 'dynamic')}"
     )
     print(
         f"{'workload':<8} {'side':<8} {'samples/s':>9} "

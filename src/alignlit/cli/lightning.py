@@ -58,6 +58,8 @@ class AlignCLI(LightningCLI):
     - reads ``--trainer.limit_train_batches 1`` (and the other batch limits, ``overfit_batches`` and
       ``val_check_interval``) as the integer it is: Lightning annotates them ``float | int``, so the
       parser made ``1`` the float ``1.0`` — 100% of the batches instead of one;
+    - runs on one device unless the config says more (``trainer.devices`` defaults to 1, not Lightning's
+      ``auto``, which starts a process per GPU; the accelerator stays ``auto``: the GPU where there is one);
     - logs beside the stage's export unless the config names a logger: ``export_dir: out/quickstart/grpo``
       makes the default logger ``CSVLogger(save_dir="out/quickstart/logs", name="grpo")``
       (:mod:`alignlit.cli.run_dir`);
@@ -70,7 +72,7 @@ class AlignCLI(LightningCLI):
         argv = list(sys.argv[1:] if args is None else args) if not isinstance(args, dict) else []
         AlignArgumentParser.argv = argv
         self.command = ["alignlit", *argv]
-        trainer_defaults: dict[str, Any] = {"use_distributed_sampler": False}
+        trainer_defaults: dict[str, Any] = {"use_distributed_sampler": False, "devices": 1}
         if (logger := default_logger(argv)) is not None:
             trainer_defaults["logger"] = logger
         super().__init__(
