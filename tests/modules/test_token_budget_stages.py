@@ -1,6 +1,7 @@
 """``minibatches.token_budget`` in the online stages: the gradient of each optimiser step over token-budget
 micro-batches equals the one-pass gradient of the whole minibatch (policy gradients under token- and
-sequence-mean aggregations with KL and entropy terms; PPO's policy and value losses), the no-grad passes
+sequence-mean aggregations with KL and entropy terms; PPO's policy and value losses; online DPO's pairs and
+online RRHF's response sets, weighted by their share of the step's items), the no-grad passes
 give the same log-probs and values, and the logged micro-batch count and padding share match a hand count.
 
 Rows of very different lengths: prompts cut to 4 real tokens, responses of ``RESPONSE_LENGTHS`` tokens,
@@ -335,7 +336,7 @@ def test_even_out_and_combine_metrics():
 
 
 # ---------------------------------------------------------------------- online DPO and online RRHF
-OP_PROMPTS = [
+SET_PROMPTS = [
     "\n\nHuman: sort a b c\n\nAssistant:",
     "\n\nHuman: copy d\n\nAssistant:",
     "\n\nHuman: reverse h g f e d c b\n\nAssistant:",
@@ -389,7 +390,7 @@ def test_online_dpo_budgets_give_the_one_pass_gradient(
     by hand); 4 × the longest pair's longer sequence runs more than one micro-batch in the step holding
     it and at least two pairs in each (so an unscaled sum of the micro-batch losses would not match)."""
     offline = [
-        {"prompt": OP_PROMPTS[i], "chosen": " ok" * (1 + 3 * i), "rejected": " no" * (2 + i)}
+        {"prompt": SET_PROMPTS[i], "chosen": " ok" * (1 + 3 * i), "rejected": " no" * (2 + i)}
         for i in range(3)
     ]
     (tmp_path / "offline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in offline))
@@ -403,7 +404,7 @@ def test_online_dpo_budgets_give_the_one_pass_gradient(
     module.rollout.setup(module.policy, module.tokenizer)
     recorder = attach(module, module.policy)[0]
     encoded = spy_encoded(module)
-    trajectory, _ = module.make_trajectory(module.rollout.collect(OP_PROMPTS, module.reward))
+    trajectory, _ = module.make_trajectory(module.rollout.collect(SET_PROMPTS, module.reward))
     results = run_budgets(module, recorder, trajectory, [None])
     examples = encoded[-1]
     assert len(examples) >= 5 and len(results[None][0]) == -(-len(examples) // 4)
@@ -428,8 +429,8 @@ def test_online_rrhf_budgets_give_the_one_pass_gradient(tiny_policy_dir, tmp_pat
     responses × its longest sequence: the padding share by hand); 2 × the largest set's padded tokens runs
     more than one micro-batch and fewer than one per prompt."""
     extras = [
-        {"prompt": OP_PROMPTS[1], "responses": [" a", " a b c d e f g h"]},
-        {"prompt": OP_PROMPTS[3], "responses": [" x y x y"]},
+        {"prompt": SET_PROMPTS[1], "responses": [" a", " a b c d e f g h"]},
+        {"prompt": SET_PROMPTS[3], "responses": [" x y x y"]},
     ]
     (tmp_path / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in extras))
     module = OnlineRRHFModule(
@@ -443,7 +444,7 @@ def test_online_rrhf_budgets_give_the_one_pass_gradient(tiny_policy_dir, tmp_pat
     sets = []
     response_sets = module.response_sets
     module.response_sets = lambda trajectory: sets.append(response_sets(trajectory)) or sets[-1]
-    trajectory, _ = module.make_trajectory(module.rollout.collect(OP_PROMPTS, module.reward))
+    trajectory, _ = module.make_trajectory(module.rollout.collect(SET_PROMPTS, module.reward))
     results = run_budgets(module, recorder, trajectory, [None])
     encoded = sets[-1][0]
     assert [len(s) for s in encoded] == [3, 5, 3, 4] and len(results[None][0]) == 1
