@@ -224,6 +224,26 @@ def test_compile_preset_appends_its_callback_to_the_stage_callbacks(stage):
     assert cli.config.model.class_path == base.config.model.class_path
 
 
+ONLINE = sorted(
+    p.stem for p in CONFIG_DIR.joinpath("quickstart").glob("*.yaml") if "minibatches:" in p.read_text()
+)
+
+
+@pytest.mark.parametrize("stage", ONLINE)
+def test_token_budget_preset_stacks_on_every_online_stage(stage):
+    """configs/speed/token-budget.yaml sets minibatches.token_budget and keeps the stage's own minibatches."""
+    base = parse(CONFIG_DIR / "quickstart" / f"{stage}.yaml").config
+    cfg = parse(
+        CONFIG_DIR / "quickstart" / f"{stage}.yaml", CONFIG_DIR / "speed" / "token-budget.yaml"
+    ).config
+    assert base.model.init_args.minibatches.token_budget is None
+    assert cfg.model.init_args.minibatches.token_budget == 512
+    for key in ("size", "epochs", "steps", "shuffle"):
+        assert cfg.model.init_args.minibatches[key] == base.model.init_args.minibatches[key], (stage, key)
+    assert cfg.model.class_path == base.model.class_path
+    assert len(ONLINE) >= 8  # grpo, rloo, ppo, ppo-vanilla, distill, online-dpo, online-rrhf, multi-turn ones
+
+
 def test_rollout_presets_stack_on_an_online_stage():
     """configs/rollout/icepop.yaml sets the rollout correction, judge.yaml the judge reward, on quickstart GRPO."""
     base = CONFIG_DIR / "quickstart" / "grpo.yaml"

@@ -597,6 +597,8 @@ CONFIGS = [  # (config stack, overrides, the run's name)
     ([RLOO], ["--model.init_args.advantage=reinforce_pp"], "rloo"),
     ([GRPO], DAPO, "grpo"),
     ([GRPO, ROOT / "configs/async/grpo.yaml"], [], "grpo-async"),
+    ([GRPO, ROOT / "configs/async/grpo-partial.yaml"], [], "grpo-partial"),
+    ([GRPO, ROOT / "configs/speed/token-budget.yaml"], [], "grpo"),
 ]
 
 
@@ -604,7 +606,7 @@ CONFIGS = [  # (config stack, overrides, the run's name)
 @pytest.mark.parametrize(
     ("configs", "overrides", "name"),
     CONFIGS,
-    ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo", "grpo-async"],
+    ids=["grpo", "rloo", "rloo-reinforce_pp", "grpo-dapo", "grpo-async", "grpo-partial", "grpo-token-budget"],
 )
 def test_config_tiny_fit(configs, overrides, name, tmp_path, monkeypatch, tiny_policy_dir, rm_dir, data_dir):
     """Each shipped config (and the README's REINFORCE++ and DAPO overrides) runs two rollouts on the tiny
@@ -639,8 +641,12 @@ def test_config_tiny_fit(configs, overrides, name, tmp_path, monkeypatch, tiny_p
     assert [h["rollout"] for h in history if "val/reward" in h] == [0.0, 2.0]  # before training, after 2
     last = torch.load(tmp_path / f"out/quickstart/checkpoints/{name}/last.ckpt", weights_only=True)
     assert last["policy_gradient_state"]["rollout"]["rollouts"] == 2
-    if "async" in name:  # every sample one version older than the policy after the first step
+    if "async" in name or "partial" in name:  # every sample one version older than the policy after step 1
         assert [h["async/staleness_max"] for h in history if "reward/raw" in h] == [0.0, 1.0]
+    if "partial" in name:  # batch 1: its first segment from step 0's weights, its second from step 1's
+        assert [h["async/token_staleness_max"] for h in history if "reward/raw" in h] == [0.0, 1.0]
+    if "token_budget" in str(configs[-1]).replace("-", "_"):
+        assert all(h["perf/microbatches"] >= 1 for h in history if "reward/raw" in h)
     if overrides == DAPO:
         assert all(
             "dynamic/informative_frac" in h and "dynamic/tries" in h for h in history if "reward/raw" in h

@@ -1,6 +1,7 @@
 """``minibatches.token_budget`` in the online stages: the gradient of each optimiser step over token-budget
 micro-batches equals the one-pass gradient of the whole minibatch (policy gradients under token- and
-sequence-mean aggregations with KL and entropy terms; PPO's policy and value losses), the no-grad passes
+sequence-mean aggregations with KL and entropy terms; PPO's policy and value losses; online DPO's pairs and
+online RRHF's response sets, weighted by their share of the step's items), the no-grad passes
 give the same log-probs and values, and the logged micro-batch count and padding share match a hand count.
 
 Rows of very different lengths: prompts cut to 4 real tokens, responses of ``RESPONSE_LENGTHS`` tokens,
@@ -18,7 +19,13 @@ import torch
 
 from alignlit.data import PromptDataModule
 from alignlit.models import export_pretrained, make_tiny_llama
-from alignlit.modules import Minibatches, OnlineDPOModule, PolicyGradientModule, PPOModule
+from alignlit.modules import (
+    Minibatches,
+    OnlineDPOModule,
+    OnlineRRHFModule,
+    PolicyGradientModule,
+    PPOModule,
+)
 from alignlit.modules.micro_batches import combine_metrics, even_out, forward_in_budget, padding_bounds
 from alignlit.rollout import Experience, RolloutLoop, SamplingParams
 from tests.conftest import TINY
@@ -281,11 +288,6 @@ def test_bad_budget_names_the_field(tiny_policy_dir, reference_dir):
             minibatches=Minibatches(token_budget=64),
         )  # fmt: skip
     pg_module(tiny_policy_dir, reference_dir, aggregation=f"{__name__}.plain_token_mean")  # no budget: fine
-    with pytest.raises(ValueError, match=r"minibatches\.token_budget \(64\): online DPO"):
-        OnlineDPOModule(
-            policy=str(tiny_policy_dir), reward=lambda p, r: [0.0] * len(r),
-            rollout=RolloutLoop(samples_per_prompt=2), minibatches=Minibatches(token_budget=64),
-        )  # fmt: skip
 
 
 def test_padding_bounds_and_forward_in_budget():
@@ -331,3 +333,129 @@ def test_even_out_and_combine_metrics():
     assert float(combined["pg_loss"]) == 0.25 * 4 + 0.75 * 8
     assert float(combined["entropy"]) == 2.0
     assert float(combined["ratio_max"]) == 1.5
+
+
+# ---------------------------------------------------------------------- online DPO and online RRHF
+SET_PROMPTS = [
+    "\n\nHuman: sort a b c\n\nAssistant:",
+    "\n\nHuman: copy d\n\nAssistant:",
+    "\n\nHuman: reverse h g f e d c b\n\nAssistant:",
+    "\n\nHuman: say x y\n\nAssistant:",
+]
+"""Four prompts of different lengths."""
+
+
+def spy_encoded(module, encode_name: str = "encode") -> list:
+    """Everything the stage's ``encode`` returns, in order (the items a step's micro-batches pack)."""
+    out, encode = [], getattr(module, encode_name)
+
+    def spy(*args):
+        out.append(encode(*args))
+        return out[-1]
+
+    setattr(module, encode_name, spy)
+    return out
+
+
+def run_budgets(module, recorder, trajectory, budgets):
+    """Each budget's recorded step gradients, metrics and ``perf/*`` of ``train_on(trajectory)``."""
+    results = {}
+    for budget in budgets:
+        with_budget(module, budget)
+        module.updates.stats.reset()
+        before = len(recorder.grads)
+        metrics = module.train_on(trajectory)
+        results[budget] = (recorder.grads[before:], metrics, module.updates.stats.metrics())
+    return results
+
+
+def assert_budgets_agree(results, keys):
+    """Every budget's gradients and metrics ``keys`` are the one-pass ones (budget None)."""
+    grads, metrics, perf = results[None]
+    assert perf == {} and any(g.abs().max() > 0 for g in grads[0])
+    for budget, (got, got_metrics, _) in results.items():
+        assert_grads_close(got, grads)
+        for key in keys:
+            assert got_metrics[key] == pytest.approx(metrics[key], rel=2e-4, abs=1e-6), (budget, key)
+
+
+@pytest.mark.parametrize(("loss_type", "sft_weight"), [("dpo", 0.5), ("ipo", 0.0), ("simpo", 0.2)])
+def test_online_dpo_budgets_give_the_one_pass_gradient(
+    tiny_policy_dir, reference_dir, tmp_path, loss_type, sft_weight
+):
+    """Online DPO on pairs of different lengths (3 offline, up to 4 from the rollout), 4 pairs per step:
+    every step's gradient, grad norm and loss metrics are the same under every budget (sigmoid DPO with
+    the RPO SFT term, IPO, reference-free SimPO with the SFT term). A budget of 1 runs a pair per
+    micro-batch, padded as collate_preference pads it (both sequences to the longer one: the padding share
+    by hand); 4 × the longest pair's longer sequence runs more than one micro-batch in the step holding
+    it and at least two pairs in each (so an unscaled sum of the micro-batch losses would not match)."""
+    offline = [
+        {"prompt": SET_PROMPTS[i], "chosen": " ok" * (1 + 3 * i), "rejected": " no" * (2 + i)}
+        for i in range(3)
+    ]
+    (tmp_path / "offline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in offline))
+    module = OnlineDPOModule(
+        policy=str(tiny_policy_dir), reward=lambda p, r: [float(len(x)) for x in r], loss_type=loss_type,
+        sft_weight=sft_weight, reference=str(reference_dir),  # SimPO reads none
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=12), samples_per_prompt=3),
+        minibatches=Minibatches(size=4, shuffle=False), pairs_from="newest",
+        offline_pairs=str(tmp_path / "offline.jsonl"), train_max_length=64, train_max_prompt_length=32,
+    )  # fmt: skip
+    module.rollout.setup(module.policy, module.tokenizer)
+    recorder = attach(module, module.policy)[0]
+    encoded = spy_encoded(module)
+    trajectory, _ = module.make_trajectory(module.rollout.collect(SET_PROMPTS, module.reward))
+    results = run_budgets(module, recorder, trajectory, [None])
+    examples = encoded[-1]
+    assert len(examples) >= 5 and len(results[None][0]) == -(-len(examples) // 4)
+    longest = max(e.length for e in examples)
+    results |= run_budgets(module, recorder, trajectory, [1, 4 * longest, 10_000])
+    keys = ["dpo/grad_norm", "dpo/loss", "dpo/rewards/margin", "dpo/logps/chosen"]
+    assert_budgets_agree(results, keys + (["dpo/sft_loss", "dpo/preference_loss"] if sft_weight else []))
+    steps = len(results[None][0])
+    real = sum(len(e.chosen.input_ids) + len(e.rejected.input_ids) for e in examples)
+    assert results[1][2] == {
+        "perf/microbatches": len(examples) / steps,
+        "perf/padding_share": pytest.approx(1 - real / sum(2 * e.length for e in examples), abs=1e-12),
+    }
+    assert 1 < results[4 * longest][2]["perf/microbatches"] <= len(examples) / 2 / steps + 1
+    assert results[10_000][2]["perf/microbatches"] == 1.0
+
+
+def test_online_rrhf_budgets_give_the_one_pass_gradient(tiny_policy_dir, tmp_path):
+    """Online RRHF on 4 prompts with response sets of 3, 5, 3 and 4 responses (samples plus extra
+    responses), all 4 prompts in one step: the gradient, grad norm and loss metrics are the same under
+    every budget. A budget of 1 runs a prompt per micro-batch, padded as the stage pads a set (its
+    responses × its longest sequence: the padding share by hand); 2 × the largest set's padded tokens runs
+    more than one micro-batch and fewer than one per prompt."""
+    extras = [
+        {"prompt": SET_PROMPTS[1], "responses": [" a", " a b c d e f g h"]},
+        {"prompt": SET_PROMPTS[3], "responses": [" x y x y"]},
+    ]
+    (tmp_path / "extra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in extras))
+    module = OnlineRRHFModule(
+        policy=str(tiny_policy_dir), reward=lambda p, r: [float(len(x) % 7) for x in r],
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=12), samples_per_prompt=3),
+        minibatches=Minibatches(size=4, steps=1, shuffle=False), extra_responses=str(tmp_path / "extra.jsonl"),
+        train_max_length=64, train_max_prompt_length=32,
+    )  # fmt: skip
+    module.rollout.setup(module.policy, module.tokenizer)
+    recorder = attach(module, module.policy)[0]
+    sets = []
+    response_sets = module.response_sets
+    module.response_sets = lambda trajectory: sets.append(response_sets(trajectory)) or sets[-1]
+    trajectory, _ = module.make_trajectory(module.rollout.collect(SET_PROMPTS, module.reward))
+    results = run_budgets(module, recorder, trajectory, [None])
+    encoded = sets[-1][0]
+    assert [len(s) for s in encoded] == [3, 5, 3, 4] and len(results[None][0]) == 1
+    padded = [len(s) * max(len(e.input_ids) for e in s) for s in encoded]
+    middle = 2 * max(padded)
+    results |= run_budgets(module, recorder, trajectory, [1, middle, 10_000])
+    assert_budgets_agree(results, ["rrhf/grad_norm", "rrhf/loss", "rrhf/rank_loss", "rrhf/sft_loss"])
+    real = sum(len(e.input_ids) for s in encoded for e in s)
+    assert results[1][2] == {
+        "perf/microbatches": 4.0,
+        "perf/padding_share": pytest.approx(1 - real / sum(padded), abs=1e-12),
+    }
+    assert 1 < results[middle][2]["perf/microbatches"] < 4
+    assert results[10_000][2]["perf/microbatches"] == 1.0

@@ -27,6 +27,16 @@ def test_packing_by_hand():
         token_budget_microbatches([1], 0)
 
 
+def test_packing_items_of_several_sequences():
+    # items of 2, 3, 1, 2 sequences, longest 9, 4, 5, 9, budget 40: sorted 9(0), 9(3), 5(2), 4(1)
+    # [0, 3]: 4 sequences x 9 = 36; + item 2 -> 5 x 9 = 45 > 40: [2] (1 x 5); + item 1 -> 4 x 5 = 20: [1, 2]
+    batches = token_budget_microbatches([9, 4, 5, 9], 40, sizes=[2, 3, 1, 2])
+    assert [b.tolist() for b in batches] == [[0, 3], [1, 2]]
+    assert [b.tolist() for b in token_budget_microbatches([9, 4, 5, 9], 40)] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="sizes must be 2 counts >= 1"):
+        token_budget_microbatches([1, 2], 10, sizes=[1, 0])
+
+
 @pytest.mark.parametrize(
     "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 )

@@ -6,7 +6,9 @@ With a budget, the forward/backward passes of one optimiser step are not one pas
 row (:func:`padding_bounds`). Each micro-batch's loss is scaled by its
 :func:`~alignlit.losses.aggregation_share`, so that the accumulated gradient is that of the whole
 minibatch under the stage's aggregation (:meth:`Updates.step_on
-<alignlit.modules.online_steps.Updates.step_on>`). The no-grad passes of a trajectory (old and
+<alignlit.modules.online_steps.Updates.step_on>`); a loss that is a mean over items (online DPO's pairs,
+online RRHF's response sets) by the items' share (:meth:`Updates.step_over
+<alignlit.modules.online_steps.Updates.step_over>`). The no-grad passes of a trajectory (old and
 reference log-probs, values, a teacher's log-probs) are split the same way (:func:`forward_in_budget`).
 """
 
@@ -107,11 +109,11 @@ class MicroBatchStats:
     def reset(self) -> None:
         self.steps = self.micro_batches = self.padded = self.real = 0
 
-    def add(self, rows: torch.Tensor, prompt_mask: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Count one micro-batch of ``rows`` rows cut to ``prompt_mask`` and ``attention_mask``'s columns."""
+    def add(self, padded: int, real: int) -> None:
+        """Count one micro-batch whose forward held ``padded`` tokens, ``real`` of them not padding."""
         self.micro_batches += 1
-        self.padded += len(rows) * (prompt_mask.shape[1] + attention_mask.shape[1])
-        self.real += int(row_lengths(prompt_mask, attention_mask).sum())
+        self.padded += padded
+        self.real += real
 
     def metrics(self) -> dict[str, float]:
         """The rollout's ``perf/*`` metrics ({} when no step was taken over micro-batches)."""

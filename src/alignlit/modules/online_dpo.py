@@ -9,6 +9,7 @@ preference loss on the pairs for ``minibatches.epochs`` passes. ``T`` is the run
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,7 +73,9 @@ class OnlineDPOModule(OnlineModule):
         offline_pairs_per_iteration: offline pairs per iteration, consecutive slices of one seeded
             permutation (wrapping around); None: all of them every iteration.
         minibatches: passes (``epochs``, default 2) of minibatches (``size`` pairs) over an iteration's
-            training pairs.
+            training pairs; with ``token_budget``, a step's pairs run in micro-batches of at most that many
+            padded tokens (a pair: 2 × its longer sequence), each loss weighted by its share of the pairs
+            (the loss must be a mean over pairs, as every registered one is).
         reference_update: ``"initial"`` keeps ``π_0`` as the reference; ``"last_iterate"`` sets it to the
             policy at the start of each iteration ``t >= 2`` (its weights are then saved in checkpoints,
             and ``val/kl`` is measured against it).
@@ -152,11 +155,6 @@ class OnlineDPOModule(OnlineModule):
                 "kl penalises a reward the policy gradient follows; online DPO's KL control is its β"
             )
         objective = PreferenceObjective(loss_type, loss_args, beta=beta, sft_weight=sft_weight)
-        if minibatches.token_budget is not None:
-            raise ValueError(
-                f"minibatches.token_budget ({minibatches.token_budget}): online DPO trains on re-encoded pairs, "
-                "which are not split into token-budget micro-batches; set it to None"
-            )
         super().__init__(policy, reward, minibatches=minibatches, **kwargs)
         if self.rollout.samples_per_prompt < 2:
             raise ValueError(
@@ -265,6 +263,17 @@ class OnlineDPOModule(OnlineModule):
             for p in pairs
         ]
 
+    def pair_loss(
+        self, examples: list[PairExample], reference: torch.nn.Module | None, items: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective's loss and metrics on the pairs ``items`` of ``examples``: a mean over the pairs
+        (every registered loss, and the SFT term), so a token-budget micro-batch's share is its pairs'."""
+        batch = collate_preference([examples[i] for i in items.tolist()], self.tokenizer.pad_token_id)
+        batch.input_ids, batch.attention_mask, batch.loss_mask = (
+            x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+        )
+        return self.objective(self.policy, batch, reference)
+
     def train_on(self, trajectory: Trajectory) -> dict[str, float]:
         hp, t = self.hparams, self.rollout.rollouts
         groups, metrics = self.groups(trajectory), {}
@@ -293,15 +302,16 @@ class OnlineDPOModule(OnlineModule):
             {f"pairs/{k}": float(v - before.get(k, 0)) for k, v in self.encoder.counts.items()}
         )  # responses cut or prompts shortened to train_max_length / train_max_prompt_length
         reference = self.reference if self.objective.needs_reference else None
-        pad_id, records = self.tokenizer.pad_token_id, []
+        records, what = [], f"online {self.objective.name} loss"
         for rows in self.minibatches(len(examples)):
-            batch = collate_preference([examples[i] for i in rows.tolist()], pad_id)
-            batch.input_ids, batch.attention_mask, batch.loss_mask = (
-                x.to(self.device) for x in (batch.input_ids, batch.attention_mask, batch.loss_mask)
+            step = [examples[i] for i in rows.tolist()]
+            lengths = torch.tensor([e.length for e in step])  # both sequences padded to the longer one
+            tokens = torch.tensor([len(e.chosen.input_ids) + len(e.rejected.input_ids) for e in step])
+            loss_fn = partial(self.pair_loss, step, reference)
+            pairs = torch.full_like(lengths, 2)
+            step_metrics = self.updates.step_over(
+                "policy", lengths, loss_fn, sizes=pairs, tokens=tokens, what=what, ptx=True
             )
-            loss, loss_metrics = self.objective(self.policy, batch, reference)
-            loss = self.add_ptx(loss, loss_metrics, what=f"online {self.objective.name} loss")
-            loss_metrics["grad_norm"] = self.update("policy", loss)
-            records.append(loss_metrics)
+            records.append(step_metrics)
         metrics.update({f"dpo/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

@@ -69,7 +69,9 @@ class OnlineRRHFModule(OnlineModule):
         rank_weight: weight of the ranking loss.
         sft_weight: weight of the summed NLL of the best response.
         minibatches: ``steps`` optimizer steps on one sampled set before the next resample (RRHF's OP-k,
-            default 8), each on ``size`` prompts.
+            default 8), each on ``size`` prompts; with ``token_budget``, a step's prompts run in
+            micro-batches of at most that many padded tokens (a prompt: its responses × the longest
+            sequence), each loss weighted by its share of the prompts.
         extra_responses: a file of responses from other sources added to their prompt's set (see
             :func:`read_extra_responses`); prompts it lacks get only their samples. Without it
             ``rollout.samples_per_prompt`` must be >= 2 (one response per prompt ranks nothing).
@@ -116,11 +118,6 @@ class OnlineRRHFModule(OnlineModule):
         if kwargs.get("tis_cap") is not None or kwargs.get("rollout_correction") is not None:
             raise ValueError(
                 "tis_cap / rollout_correction weight policy-gradient token losses; RRHF has none"
-            )
-        if minibatches.token_budget is not None:
-            raise ValueError(
-                f"minibatches.token_budget ({minibatches.token_budget}): online RRHF trains on re-encoded prompts' response sets, "
-                "which are not split into token-budget micro-batches; set it to None"
             )
         super().__init__(policy, reward, minibatches=minibatches, **kwargs)
         if self.rollout.samples_per_prompt < 2 and not extra_responses:
@@ -223,10 +220,19 @@ class OnlineRRHFModule(OnlineModule):
         sets, scores, metrics = self.response_sets(trajectory)
         records = []
         for rows in self.minibatches(len(sets)):
-            chosen = rows.tolist()
-            loss, loss_metrics = self.rrhf([sets[b] for b in chosen], [scores[b] for b in chosen])
-            loss = self.add_ptx(loss, loss_metrics, what="online RRHF loss")
-            loss_metrics["grad_norm"] = self.update("policy", loss)
-            records.append(loss_metrics)
+            step = [sets[b] for b in rows.tolist()]
+            sizes = torch.tensor([len(s) for s in step])  # a set's responses padded to the longest
+            lengths = torch.tensor([max(len(e.input_ids) for e in s) for s in step])
+            tokens = torch.tensor([sum(len(e.input_ids) for e in s) for s in step])
+
+            def loss_fn(items: torch.Tensor, rows: torch.Tensor = rows) -> tuple[torch.Tensor, dict]:
+                chosen = rows[items].tolist()
+                return self.rrhf([sets[b] for b in chosen], [scores[b] for b in chosen])
+
+            records.append(
+                self.updates.step_over(
+                    "policy", lengths, loss_fn, sizes=sizes, tokens=tokens, what="online RRHF loss", ptx=True
+                )
+            )
         metrics.update({f"rrhf/{k}": v for k, v in mean_metrics(records).items()})
         return metrics

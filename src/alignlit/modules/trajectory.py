@@ -148,8 +148,10 @@ class Minibatches:
             aggregation (:func:`~alignlit.losses.aggregation_share`), add up to the minibatch's before the
             one optimiser step (clipping on the sum). The no-grad passes of the trajectory (old and
             reference log-probs, values, a teacher's log-probs) are split by it too. Logged:
-            ``perf/microbatches`` per optimiser step, ``perf/padding_share``. None: one pass over the
-            whole minibatch padded to its longest row (policy gradients and PPO only take a budget).
+            ``perf/microbatches`` per optimiser step, ``perf/padding_share``. Online DPO packs a step's
+            pairs (2 × the longer sequence each) and online RRHF its prompts (responses × the longest),
+            each micro-batch's loss weighted by its share of the pairs or prompts. None: one pass over
+            the whole minibatch padded to its longest row.
     """
 
     size: int = 16
