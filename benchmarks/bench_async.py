@@ -52,9 +52,10 @@ CONFIGS = {
     "ppo": ("configs/quickstart/ppo.yaml", []),
     # one pass over each rollout (DeepSeekMath's GRPO, mu = 1): half the trainer's work per step
     "grpo-1epoch": ("configs/quickstart/grpo.yaml", ["--model.init_args.minibatches.epochs=1"]),
-    # partial rollouts: each rollout generated ahead in segments of 8 new tokens, every segment from the newest
-    # weights the staleness bound allows (k >= 1 only; its speed-up is against grpo's k = 0)
-    "grpo-partial": ("configs/quickstart/grpo.yaml", ["--model.init_args.rollout.partial=8"]),
+    # partial rollouts (configs/async/grpo-partial.yaml's segments of 12 of the 24 new tokens): each rollout
+    # generated ahead in segments, every segment from the newest weights the staleness bound allows (k >= 1 only;
+    # its speed-up is against grpo's k = 0)
+    "grpo-partial": ("configs/quickstart/grpo.yaml", ["--model.init_args.rollout.partial=12"]),
 }
 
 
