@@ -548,15 +548,23 @@ def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     return out
 
 
+def table_head(*columns: tuple[str, str] | None) -> list[str]:
+    """The header and alignment rows of a markdown table of ``(name, alignment)`` columns (None: left out)."""
+    kept = [c for c in columns if c is not None]
+    return [
+        "| " + " | ".join(name for name, _ in kept) + " |",
+        "|" + "".join(f"{align}|" for _, align in kept),
+    ]
+
+
 def format_table(table: list[dict], with_pass_rate: bool = False) -> str:
     """The markdown table; ``with_pass_rate``: a column with the share of responses the strict answer
     check accepts (:func:`pass_rate`)."""
-    lines = [
-        "| method | setting | gold reward | "
-        + ("answer check pass rate | " if with_pass_rate else "")
-        + "win rate vs SFT | KL to SFT | length (tokens) | wall time (s) | seeds |",
-        "|---|---|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|---:|---:|---:|",
-    ]
+    passed = ("answer check pass rate", "---:") if with_pass_rate else None
+    lines = table_head(
+        ("method", "---"), ("setting", "---"), ("gold reward", "---:"), passed, ("win rate vs SFT", "---:"),
+        ("KL to SFT", "---:"), ("length (tokens)", "---:"), ("wall time (s)", "---:"), ("seeds", "---:"),
+    )  # fmt: skip
     for r in table:
         if r.get("status"):
             lines.append(
@@ -573,12 +581,11 @@ def format_table(table: list[dict], with_pass_rate: bool = False) -> str:
 
 
 def format_selection(records: list[dict], with_pass_rate: bool = False) -> str:
-    lines = [
-        "| method | setting | val gold | ± s.e. | "
-        + ("pass rate | " if with_pass_rate else "")
-        + "KL to SFT | length | chosen |",
-        "|---|---|---:|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|:-:|",
-    ]
+    passed = ("pass rate", "---:") if with_pass_rate else None
+    lines = table_head(
+        ("method", "---"), ("setting", "---"), ("val gold", "---:"), ("± s.e.", "---:"), passed,
+        ("KL to SFT", "---:"), ("length", "---:"), ("chosen", ":-:"),
+    )  # fmt: skip
     for r in records:
         kl = "" if r["kl_to_reference"] is None else f"{r['kl_to_reference']:.2f}"
         passed = f"{pass_rate(r['prompt_gold']):.3f} | " if with_pass_rate else ""
