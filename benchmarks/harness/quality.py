@@ -258,6 +258,15 @@ def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
     return out
 
 
+def fit_command(config_name: str, configs: Path, *, seed: int, tiny: bool) -> list[str]:
+    """``alignlit fit`` of one benchmark run of a config (its stack under ``configs``, :func:`run_overrides`)."""
+    return [
+        "fit",
+        *config_args(config_name, configs),
+        *run_overrides(read_config(config_name, configs), seed=seed, tiny=tiny),
+    ]
+
+
 # --- the plan -------------------------------------------------------------------------------------
 
 
@@ -385,9 +394,7 @@ class Bench:
         if self.args.tiny:  # --tiny sets the trainer's length itself
             setting = {k: v for k, v in (setting or {}).items() if not k.startswith("trainer.")}
         return [
-            "fit",
-            *config_args(config_name, self.configs),
-            *run_overrides(read_config(config_name, self.configs), seed=seed, tiny=self.args.tiny),
+            *fit_command(config_name, self.configs, seed=seed, tiny=self.args.tiny),
             *setting_overrides(setting or {}),
         ]
 
