@@ -184,10 +184,11 @@ class PartialBatch:
 
 
 class SegmentedPipeline(ProducerThread):
-    """The producer of partial rollouts (module docstring); the trainer's side is
-    :class:`~alignlit.rollout.pipeline.RolloutPipeline`'s, with the step of every published snapshot.
-    :meth:`drain` waits until every segment whose weights are published is sampled and every finished
-    batch scored (:attr:`batches` holds the ones in progress); :meth:`close` drops the batches in progress.
+    """The producer of partial rollouts (module docstring): a
+    :class:`~alignlit.rollout.pipeline.ProducerThread` whose jobs are segments and scorings, with the step of
+    every published snapshot. :meth:`drain` waits until every segment whose weights are published is sampled
+    and every finished batch scored (:attr:`batches` holds the ones in progress); :meth:`close` drops the
+    batches in progress.
 
     Args:
         load_weights: ``load_weights(snapshot)``: load a snapshot into the producer's engine.
@@ -215,9 +216,8 @@ class SegmentedPipeline(ProducerThread):
         """Score the first batch once it is finished, else sample a segment whose weights are published (the
         oldest step first, then the lowest index); None when everything waits for weights."""
         if self.batches and (first := self.batches[min(self.batches)]).finished:
-            return Job(
-                f"scoring batch {first.index}", None, functools.partial(self.finish, first), first.index
-            )
+            run = functools.partial(self.finish, first)
+            return Job(f"scoring batch {first.index}", None, run, first.index)
         ready = [b for b in self.batches.values() if not b.finished and b.next_step in self.steps]
         if not ready:
             return None

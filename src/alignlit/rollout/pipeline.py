@@ -67,7 +67,7 @@ class ProducerThread:
         self.load_weights, self.timeout_s = load_weights, timeout_s
         self.results: dict[int, Any] = {}
         self.submitted: dict[int, int] = {}
-        """Index -> version (of segment 0, for partial rollouts) of every batch submitted and not yet taken."""
+        """Index -> version (partial rollouts: segment 0's) of every batch submitted and not yet taken."""
         self.error: BaseException | None = None
         self.failed_job = ""
         self.engine_version: int | None = None
@@ -80,7 +80,7 @@ class ProducerThread:
 
     # ------------------------------------------------------------------ what a subclass chooses
     def _next_job(self) -> Job | None:
-        """Under the lock: the next job, claimed (a queued one is taken off its queue); None: none can run yet."""
+        """Under the lock: the next job, claimed (a queued one leaves its queue); None: none can run yet."""
         raise NotImplementedError
 
     def _ready(self) -> bool:
