@@ -54,7 +54,6 @@ from pathlib import Path
 
 from harness import (
     command_line,
-    config_args,
     config_sha256,
     config_stack,
     fmt_s,
@@ -66,7 +65,7 @@ from harness import (
     run_alignlit,
     write_results,
 )
-from harness.quality import ROOT, TINY_DATA, out_prefix, run_overrides
+from harness.quality import ROOT, TINY_DATA, fit_command, out_prefix
 
 
 @dataclass(frozen=True)
@@ -226,14 +225,7 @@ def shared_steps(args, configs: Path, prefix: str) -> list[tuple[str, list[str] 
     """The shared stages in order: ``(name, alignlit argv)`` (None: done in Python)."""
     return [
         ("make-data", ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if args.tiny else [])]),
-        (
-            "sft",
-            [
-                "fit",
-                *config_args("sft", configs),
-                *run_overrides(read_config("sft", configs), seed=0, tiny=args.tiny),
-            ],
-        ),
+        ("sft", fit_command("sft", configs, seed=0, tiny=args.tiny)),
         (
             "onpolicy-pairs",  # evaluation only: SFT samples on test prompts, labelled by gold
             [
@@ -369,9 +361,7 @@ class Runner:
     def fit_argv(self, row: str, seed: int) -> list[str]:
         r = ROWS[row]
         return [
-            "fit",
-            *config_args(r.config, self.configs),
-            *run_overrides(read_config(r.config, self.configs), seed=seed, tiny=self.args.tiny),
+            *fit_command(r.config, self.configs, seed=seed, tiny=self.args.tiny),
             *r.extra,
             *seed_overrides(row, seed),
         ]

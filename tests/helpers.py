@@ -5,7 +5,9 @@ Tests compute expectations by hand from these values: change one and the tests t
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 from pathlib import Path
 
 OPS = ("sort", "reverse", "copy", "dedupe")
@@ -119,3 +121,14 @@ def fit_on_prompts(
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trainer
+
+
+def assert_names_the_change(
+    error: BaseException, library: str, internal: str, *, distribution: str = ""
+) -> None:
+    """``error``, a quarantine module's ``*InternalsChanged``, names ``internal``, the installed version of
+    ``library`` (an import name) and the range of ``distribution`` (default: ``library``) alignlit pins."""
+    message, version = str(error), importlib.import_module(library).__version__
+    assert internal in message and f"{library} {version}:" in message, message
+    pinned = rf"install the pinned {re.escape(distribution or library)}(\[[\w,]+\])?[<>=!~]"
+    assert re.search(pinned, message), f"no pinned range named: {message}"

@@ -258,6 +258,15 @@ def run_overrides(config: dict, *, seed: int, tiny: bool) -> list[str]:
     return out
 
 
+def fit_command(config_name: str, configs: Path, *, seed: int, tiny: bool) -> list[str]:
+    """``alignlit fit`` of one benchmark run of a config (its stack under ``configs``, :func:`run_overrides`)."""
+    return [
+        "fit",
+        *config_args(config_name, configs),
+        *run_overrides(read_config(config_name, configs), seed=seed, tiny=tiny),
+    ]
+
+
 # --- the plan -------------------------------------------------------------------------------------
 
 
@@ -385,9 +394,7 @@ class Bench:
         if self.args.tiny:  # --tiny sets the trainer's length itself
             setting = {k: v for k, v in (setting or {}).items() if not k.startswith("trainer.")}
         return [
-            "fit",
-            *config_args(config_name, self.configs),
-            *run_overrides(read_config(config_name, self.configs), seed=seed, tiny=self.args.tiny),
+            *fit_command(config_name, self.configs, seed=seed, tiny=self.args.tiny),
             *setting_overrides(setting or {}),
         ]
 
@@ -548,15 +555,23 @@ def aggregate(rows: list[dict], sft_by_seed: dict[int, list[float]]) -> dict:
     return out
 
 
+def table_head(*columns: tuple[str, str] | None) -> list[str]:
+    """The header and alignment rows of a markdown table of ``(name, alignment)`` columns (None: left out)."""
+    kept = [c for c in columns if c is not None]
+    return [
+        "| " + " | ".join(name for name, _ in kept) + " |",
+        "|" + "".join(f"{align}|" for _, align in kept),
+    ]
+
+
 def format_table(table: list[dict], with_pass_rate: bool = False) -> str:
     """The markdown table; ``with_pass_rate``: a column with the share of responses the strict answer
     check accepts (:func:`pass_rate`)."""
-    lines = [
-        "| method | setting | gold reward | "
-        + ("answer check pass rate | " if with_pass_rate else "")
-        + "win rate vs SFT | KL to SFT | length (tokens) | wall time (s) | seeds |",
-        "|---|---|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|---:|---:|---:|",
-    ]
+    passed = ("answer check pass rate", "---:") if with_pass_rate else None
+    lines = table_head(
+        ("method", "---"), ("setting", "---"), ("gold reward", "---:"), passed, ("win rate vs SFT", "---:"),
+        ("KL to SFT", "---:"), ("length (tokens)", "---:"), ("wall time (s)", "---:"), ("seeds", "---:"),
+    )  # fmt: skip
     for r in table:
         if r.get("status"):
             lines.append(
@@ -573,12 +588,11 @@ def format_table(table: list[dict], with_pass_rate: bool = False) -> str:
 
 
 def format_selection(records: list[dict], with_pass_rate: bool = False) -> str:
-    lines = [
-        "| method | setting | val gold | ± s.e. | "
-        + ("pass rate | " if with_pass_rate else "")
-        + "KL to SFT | length | chosen |",
-        "|---|---|---:|---:|" + ("---:|" if with_pass_rate else "") + "---:|---:|:-:|",
-    ]
+    passed = ("pass rate", "---:") if with_pass_rate else None
+    lines = table_head(
+        ("method", "---"), ("setting", "---"), ("val gold", "---:"), ("± s.e.", "---:"), passed,
+        ("KL to SFT", "---:"), ("length", "---:"), ("chosen", ":-:"),
+    )  # fmt: skip
     for r in records:
         kl = "" if r["kl_to_reference"] is None else f"{r['kl_to_reference']:.2f}"
         passed = f"{pass_rate(r['prompt_gold']):.3f} | " if with_pass_rate else ""

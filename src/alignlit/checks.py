@@ -5,10 +5,13 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 #: the largest learning rate accepted: an AdamW step moves each weight by about ``lr``, so anything
 #: above this is a typo, and ~1e38 overflows float32 inside the optimizer
 MAX_LR = 10.0
+
+E = TypeVar("E", bound=Exception)
 
 
 def validate_optimizer_args(
@@ -97,3 +100,16 @@ def pinned_range(distribution: str) -> str:
         if name.lower() == distribution.lower():
             return spec
     return f"{distribution} (the range in pyproject.toml)"
+
+
+def internals_changed(
+    error: type[E], library: str, internal: str, detail: str, *, by: str, distribution: str | None = None
+) -> E:
+    """An ``error`` of a quarantine module (``by``, its ``__name__``): ``internal`` of the installed ``library``
+    (an import name) moved or changed (``detail``); names the installed version and the pinned range of
+    ``distribution`` (default: ``library``)."""
+    version = importlib.import_module(library).__version__
+    return error(
+        f"{library} {version}: {internal} moved or changed ({detail}); {by} relies on it: install the pinned "
+        f"{pinned_range(distribution or library)}, or update {by.rpartition('.')[2]}"
+    )

@@ -24,14 +24,14 @@ installed version, the pinned range and the name of what moved when a release ch
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import lightning
-import torch
 from torch import nn
 
-from alignlit.checks import pinned_range
+from alignlit.checks import internals_changed
 
 _TRAINER = "_trainer"
 _STEPPED = "_batches_that_stepped"
@@ -51,12 +51,8 @@ class LightningInternalsChanged(RuntimeError):
     """The installed Lightning or torch no longer has an internal alignlit relies on (module docstring)."""
 
 
-def _changed(library: str, internal: str, detail: str) -> LightningInternalsChanged:
-    version = lightning.__version__ if library == "lightning" else torch.__version__
-    return LightningInternalsChanged(
-        f"{library} {version}: {internal} moved or changed ({detail}); alignlit.lightning_internals "
-        f"relies on it: install the pinned {pinned_range(library)}, or update lightning_internals"
-    )
+_changed = functools.partial(internals_changed, LightningInternalsChanged, by=__name__)
+"""``_changed(library, internal, detail)``: the library is ``"lightning"`` or ``"torch"``."""
 
 
 def attached_trainer(module: lightning.LightningModule) -> lightning.Trainer | None:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from alignlit.checks import MAX_LR, validate_optimizer_args
+from alignlit.checks import MAX_LR, internals_changed, pinned_range, validate_optimizer_args
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,17 @@ def test_good_settings_and_prefix():
     validate_optimizer_args(MAX_LR)
     with pytest.raises(ValueError, match=r"critic_optim\.lr"):
         validate_optimizer_args(20.0, prefix="critic_optim.")
+
+
+def test_internals_changed_names_the_version_the_module_and_the_pinned_range():
+    class Changed(RuntimeError):
+        pass
+
+    error = internals_changed(Changed, "pytest", "Thing.attr", "gone", by="alignlit.x.pytest_internals")
+    assert type(error) is Changed
+    assert str(error) == (
+        f"pytest {pytest.__version__}: Thing.attr moved or changed (gone); alignlit.x.pytest_internals relies on "
+        f"it: install the pinned {pinned_range('pytest')}, or update pytest_internals"
+    )
+    other = internals_changed(Changed, "pytest", "a", "b", by="m", distribution="torch")
+    assert f"install the pinned {pinned_range('torch')}, or update m" in str(other)

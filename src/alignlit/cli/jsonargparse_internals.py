@@ -15,11 +15,12 @@ the installed version, the pinned range and the name of what moved when a releas
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import jsonargparse
 
-from alignlit.checks import pinned_range
+from alignlit.checks import internals_changed
 
 _ACTIONS = "_actions"
 _TYPEHINT = "_typehint"
@@ -29,12 +30,7 @@ class JsonargparseInternalsChanged(RuntimeError):
     """The installed jsonargparse no longer has an internal alignlit relies on (module docstring)."""
 
 
-def _changed(internal: str, detail: str) -> JsonargparseInternalsChanged:
-    return JsonargparseInternalsChanged(
-        f"jsonargparse {jsonargparse.__version__}: {internal} moved or changed ({detail}); "
-        f"alignlit.cli.jsonargparse_internals relies on it: install the pinned {pinned_range('jsonargparse')}, "
-        "or update jsonargparse_internals"
-    )
+_changed = functools.partial(internals_changed, JsonargparseInternalsChanged, "jsonargparse", by=__name__)
 
 
 def parser_actions(parser) -> list:

@@ -36,13 +36,13 @@ And three private flags transformers (with peft) reads, each written here only:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-import transformers
 
-from alignlit.checks import pinned_range
+from alignlit.checks import internals_changed
 
 _INTERNAL = "_attn_implementation_internal"
 _PEFT_FLAG = "_hf_peft_config_loaded"
@@ -55,12 +55,7 @@ class TransformersInternalsChanged(RuntimeError):
     """The installed transformers no longer has an internal alignlit relies on (see the module docstring)."""
 
 
-def _changed(internal: str, detail: str) -> TransformersInternalsChanged:
-    return TransformersInternalsChanged(
-        f"transformers {transformers.__version__}: {internal} moved or changed ({detail}); "
-        f"alignlit.models.hf_internals relies on it: install the pinned {pinned_range('transformers')}, "
-        "or update hf_internals"
-    )
+_changed = functools.partial(internals_changed, TransformersInternalsChanged, "transformers", by=__name__)
 
 
 def _register(name: str, fn: Callable) -> None:

@@ -27,17 +27,16 @@ Only the HF engine generates in segments (its asynchronous worker,
 from __future__ import annotations
 
 import dataclasses
-import threading
+import functools
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from alignlit.rollout.base import Rollout, SamplingParams
-from alignlit.rollout.pipeline import WeightSnapshot
+from alignlit.rollout.pipeline import Job, ProducerThread, WeightSnapshot
 from alignlit.rollout.postprocess import RawSample, assemble_rollout, stop_cut
 
 SEGMENT_SEED_STRIDE = 2**32
@@ -184,9 +183,12 @@ class PartialBatch:
         return cls(**state)
 
 
-class SegmentedPipeline:
-    """The producer of partial rollouts (module docstring); the trainer's side is
-    :class:`~alignlit.rollout.pipeline.RolloutPipeline`'s, with the step of every published snapshot.
+class SegmentedPipeline(ProducerThread):
+    """The producer of partial rollouts (module docstring): a
+    :class:`~alignlit.rollout.pipeline.ProducerThread` whose jobs are segments and scorings, with the step of
+    every published snapshot. :meth:`drain` waits until every segment whose weights are published is sampled
+    and every finished batch scored (:attr:`batches` holds the ones in progress); :meth:`close` drops the
+    batches in progress.
 
     Args:
         load_weights: ``load_weights(snapshot)``: load a snapshot into the producer's engine.
@@ -203,75 +205,36 @@ class SegmentedPipeline:
         *,
         timeout_s: float = 3600.0,
     ):
-        self.load_weights, self.segment, self.finish, self.timeout_s = (
-            load_weights,
-            segment,
-            finish,
-            timeout_s,
-        )
+        self.segment, self.finish = segment, finish
         self.steps: dict[int, WeightSnapshot] = {}
         """The published weights by step, as long as a batch in progress may need them."""
         self.batches: dict[int, PartialBatch] = {}
         """The submitted batches not scored yet."""
-        self.results: dict[int, Any] = {}
-        self.submitted: dict[int, int] = {}
-        """Index -> version of segment 0 of every batch submitted and not yet taken."""
-        self.error: BaseException | None = None
-        self.failed_job = ""
-        self.engine_version: int | None = None
-        self.waited_s = 0.0
-        self._cond = threading.Condition()
-        self._busy = self._closed = False
-        self._thread = threading.Thread(target=self._run, name="alignlit-rollout-producer", daemon=True)
-        self._thread.start()
+        super().__init__(load_weights, timeout_s=timeout_s)
 
-    # ------------------------------------------------------------------ the producer thread
-    def _work(self) -> tuple[str, PartialBatch] | None:
-        """The next thing to do: score the first batch once it is finished, else a segment whose weights are
-        published (the oldest step first, then the lowest index); None when everything waits for weights."""
-        if self.batches and self.batches[min(self.batches)].finished:
-            return "finish", self.batches[min(self.batches)]
+    def _next_job(self) -> Job | None:
+        """Score the first batch once it is finished, else sample a segment whose weights are published (the
+        oldest step first, then the lowest index); None when everything waits for weights."""
+        if self.batches and (first := self.batches[min(self.batches)]).finished:
+            run = functools.partial(self.finish, first)
+            return Job(f"scoring batch {first.index}", None, run, first.index)
         ready = [b for b in self.batches.values() if not b.finished and b.next_step in self.steps]
-        return ("segment", min(ready, key=lambda b: (b.next_step, b.index))) if ready else None
+        if not ready:
+            return None
+        batch = min(ready, key=lambda b: (b.next_step, b.index))
+        snapshot = self.steps[batch.next_step]
+        run = functools.partial(self.segment, batch, snapshot.version)
+        return Job(f"generating segment {batch.segment} of batch {batch.index}", snapshot, run)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (work := self._work()) is None:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                self._busy = True
-                kind, batch = work
-                snapshot = self.steps.get(batch.next_step)
-            try:
-                if kind == "finish":
-                    result = self.finish(batch)
-                else:
-                    if self.engine_version != snapshot.version:
-                        self.load_weights(snapshot)
-                        self.engine_version = snapshot.version
-                    self.segment(batch, snapshot.version)
-            except BaseException as err:  # handed to the trainer's thread, which re-raises it
-                with self._cond:
-                    what = "scoring" if kind == "finish" else f"generating segment {batch.segment} of"
-                    self.error, self.failed_job = err, f"{what} batch {batch.index}"
-                    self._busy = False
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                if kind == "finish":
-                    self.results[batch.index] = result
-                    del self.batches[batch.index]
-                self._busy = False
-                self._cond.notify_all()
+    def _finished(self, index: int) -> None:
+        del self.batches[index]
 
-    # ------------------------------------------------------------------ the trainer's side
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(
-                f"the rollout producer failed while {self.failed_job}: {self.error!r}"
-            ) from self.error
+    def _lost(self, index: int) -> bool:
+        return index not in self.batches
+
+    def _release(self) -> None:
+        oldest = min((b.next_step for b in self.batches.values()), default=max(self.steps, default=0))
+        self.steps = {t: s for t, s in self.steps.items() if t >= oldest or t == max(self.steps)}
 
     def publish(self, snapshot: WeightSnapshot, *, step: int) -> None:
         """Make ``snapshot`` (the weights at the start of ``step``) available to the segments of that step."""
@@ -289,62 +252,11 @@ class SegmentedPipeline:
             self.batches[index] = PartialBatch(index, list(prompts), step, version)
             self._cond.notify_all()
 
-    def take(self, index: int) -> Any:
-        """Step ``index``'s result, waiting for it if the producer is not done (the time is counted)."""
-        if index not in self.submitted:
-            raise KeyError(f"batch {index} was never submitted (submitted: {sorted(self.submitted)})")
-        start = time.perf_counter()
-        with self._cond:
-            while index not in self.results:
-                self._raise_if_failed()
-                if index not in self.batches:
-                    raise RuntimeError(
-                        f"batch {index} was submitted but is neither generated nor in progress"
-                    )
-                if not self._thread.is_alive():
-                    raise RuntimeError("the rollout producer thread is gone")
-                if not self._cond.wait(timeout=5.0) and time.perf_counter() - start > self.timeout_s:
-                    raise TimeoutError(f"batch {index} was not generated in {self.timeout_s:.0f} s")
-            del self.submitted[index]
-            result = self.results.pop(index)
-            oldest = min((b.next_step for b in self.batches.values()), default=max(self.steps, default=0))
-            self.steps = {t: s for t, s in self.steps.items() if t >= oldest or t == max(self.steps)}
-        self.waited_s += time.perf_counter() - start
-        return result
-
-    def drain(self) -> dict[int, Any]:
-        """Wait until every segment whose weights are published is sampled and every finished batch scored;
-        returns the scored, untaken results by index (:attr:`batches` holds the ones in progress)."""
-        with self._cond:
-            while self._busy or self._work() is not None:
-                self._raise_if_failed()
-                self._cond.wait(timeout=5.0)
-            self._raise_if_failed()
-            return dict(self.results)
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """The producer's engine to the caller alone (as :meth:`RolloutPipeline.exclusive`)."""
-        with self._cond:
-            self.drain()
-            try:
-                yield
-            finally:
-                self.engine_version = None
-
     def restore(
         self, results: dict[int, Any], versions: dict[int, int], batches: dict[int, PartialBatch]
     ) -> None:
         """Put back scored results and batches in progress (from a checkpoint)."""
         with self._cond:
-            self.results.update(results)
-            self.submitted.update(versions)
+            super().restore(results, versions)
             self.batches.update(batches)
             self._cond.notify_all()
-
-    def close(self) -> None:
-        """Stop the producer (after its current segment); batches in progress are dropped."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout=60)

