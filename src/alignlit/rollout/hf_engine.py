@@ -7,7 +7,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation import CompileConfig
 
 from alignlit.models.hf_internals import compile_on_every_device
@@ -22,6 +30,37 @@ from alignlit.rollout.postprocess import (
     pad_prompt_ids,
     require_pad_token,
 )
+
+
+class _BehaviourLogps(LogitsProcessor):
+    """Each sampled token's log-prob, ``log_softmax(raw logits / T)``, taken as generation goes.
+
+    ``generate`` calls it on the raw logits of every step, before its temperature, top-k and top-p warpers
+    (custom processors run ahead of them; the blank generation config adds no other processor). It keeps
+    one step's distribution, ``(B, V)``, and reads the sampled token's entry from it on the next call (or in
+    :meth:`finish`); keeping every step's logits (``output_logits``) held ``S x B x V`` floats: ~10 GB for
+    64 samples of 256 tokens at a 151,936-entry vocabulary.
+    """
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.last: torch.Tensor | None = None
+        self.taken: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.last is not None:  # input_ids ends with the token sampled from self.last
+            self.taken.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.scale, dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, S)`` log-probs of ``new_tokens`` (B, S), the generated columns."""
+        if new_tokens.shape[1] and self.last is not None:
+            self.taken.append(self.last.gather(-1, new_tokens[:, -1:]).squeeze(-1))
+        self.last = None
+        if not self.taken:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32, device=new_tokens.device)
+        return torch.stack(self.taken, dim=1)
 
 
 class _StopStringCriteria(StoppingCriteria):
@@ -201,7 +240,6 @@ class HFEngine:
             eos_token_id=sorted(eos_ids) or None,
             use_cache=True,
             return_dict_in_generate=True,
-            output_logits=True,
             num_beams=1,
         )
         if self.kv_cache == "static":
@@ -275,6 +313,7 @@ class HFEngine:
             stop_criteria = _StopStringCriteria(self.tokenizer, sampling.stop, width, input_ids.shape[0])
             criteria.append(stop_criteria)
 
+        behaviour = _BehaviourLogps(sampling.temperature if sampling.temperature > 0 else 1.0)
         # generate() fills every unset field from model.generation_config and then from global
         # defaults (top_k=50, ...): swap in a blank one so only this call's parameters apply.
         stored, self.model.generation_config = self.model.generation_config, GenerationConfig()
@@ -284,20 +323,13 @@ class HFEngine:
                 attention_mask=attention_mask,
                 generation_config=generation_config,
                 stopping_criteria=criteria,
+                logits_processor=LogitsProcessorList([behaviour]),
                 **extra,
             )
         finally:
             self.model.generation_config = stored
         new_tokens = out.sequences[:, width:]  # (b*n, S)
-        scale = sampling.temperature if sampling.temperature > 0 else 1.0
-        # out.logits: S raw (unprocessed) float32 logits of shape (b*n, V); one step at a time.
-        token_logps = torch.stack(
-            [
-                torch.log_softmax(step_logits / scale, dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
-                for t, step_logits in enumerate(out.logits)
-            ],
-            dim=1,
-        )  # (b*n, S)
+        token_logps = behaviour.finish(new_tokens)  # (b*n, S)
 
         samples = []
         for b, (ids, lps) in enumerate(zip(new_tokens.tolist(), token_logps.tolist())):
