@@ -50,6 +50,9 @@ VARIANTS = {  # name: (side, flags)
     "alignlit": ("alignlit", []),
     "alignlit full logits": ("alignlit", ["--no-fused-head"]),
     "alignlit checkpointing": ("alignlit", ["--gradient-checkpointing"]),
+    # minibatches.token_budget of one row at the grpo workload's L tokens: one row per forward and backward,
+    # the same gradient (TRL's counterpart, gradient accumulation, is not run)
+    "alignlit token budget": ("alignlit", ["--token-budget-rows", "1"]),
     "trl": ("trl", []),
     "trl checkpointing": ("trl", ["--gradient-checkpointing"]),
 }
@@ -131,6 +134,7 @@ def worker(args) -> None:
         # the online workloads: one prompt, --group samples, one update per rollout
         rollout_prompts=1, group=args.group, minibatch=args.group, max_new_tokens=args.length - args.length // 4,
         online_lr=1e-5, online_warmup=0, rollouts=2,
+        token_budget=None if args.token_budget_rows is None else args.token_budget_rows * args.length,
     )  # fmt: skip
     ns = argparse.Namespace(**common)
     if args.workload == "grpo":
@@ -228,6 +232,7 @@ def main() -> None:
     parser.add_argument("--assets", help=argparse.SUPPRESS)
     parser.add_argument("--no-fused-head", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gradient-checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--token-budget-rows", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.side = args.worker

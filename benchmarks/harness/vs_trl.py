@@ -234,7 +234,9 @@ def alignlit_online_worker(workload: str, root: Path, args, mode: str = "timed")
     fixed = mode != "timed"
     module = PolicyGradientModule(
         policy=str(root / "policy"), reward=reward_fn, rollout=rollout, optim=optim, max_grad_norm=1.0,
-        minibatches=Minibatches(size=args.minibatch, shuffle=not fixed), clip_low=0.2, clip_high=0.2,
+        minibatches=Minibatches(
+            size=args.minibatch, shuffle=not fixed, token_budget=getattr(args, "token_budget", None)
+        ), clip_low=0.2, clip_high=0.2,
         gradient_checkpointing=getattr(args, "gradient_checkpointing", False), **algorithm,
     )  # fmt: skip
 

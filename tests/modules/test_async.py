@@ -227,20 +227,22 @@ def test_the_parity_model_of_loaded_snapshots_has_a_config_of_its_own(tokenizer)
         loop.stop_pipeline()
 
 
-def ppo(policy_dir, k):
+def ppo(policy_dir, k, partial=None):
     return PPOModule(
         policy=str(policy_dir), reward=char_reward, critic=str(policy_dir), kl=KLPenalty(target=1.0, horizon=20),
         optim=Optim(lr=1e-3, min_lr_ratio=1.0), critic_optim=Optim(lr=1e-3, min_lr_ratio=1.0),
-        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), max_staleness=k),
+        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), max_staleness=k, partial=partial),
         minibatches=Minibatches(size=2, epochs=2),
     )  # fmt: skip
 
 
-def online_dpo(policy_dir, k):
+def online_dpo(policy_dir, k, partial=None):
     return OnlineDPOModule(
         policy=str(policy_dir), reward=char_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0), train_max_length=40,
         train_max_prompt_length=24,
-        rollout=RolloutLoop(sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3, max_staleness=k),
+        rollout=RolloutLoop(
+            sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3, max_staleness=k, partial=partial
+        ),
         minibatches=Minibatches(size=2, epochs=2),
     )  # fmt: skip
 
@@ -251,7 +253,9 @@ STAGES = {
         d, 1, partial=2
     ),  # batch 4 in progress at the checkpoint (rollout.partial)
     "ppo": lambda d: ppo(d, 1),
+    "ppo-partial": lambda d: ppo(d, 1, partial=2),
     "online-dpo": lambda d: online_dpo(d, 1),
+    "online-dpo-partial": lambda d: online_dpo(d, 1, partial=2),
 }
 
 
@@ -271,7 +275,9 @@ def test_resume_is_exact(stage, tiny_policy_dir, prompts_file, tmp_path):
         by_step[state["rollout"]["rollouts"]] = path
         if state["rollout"]["rollouts"] == 4:
             assert sorted(state["ahead"]) == [4]  # the batch generated ahead, saved with the checkpoint
-            if stage == "grpo-partial":  # in progress: segment 0 sampled, the rest waits for step 4's weights
+            if stage.endswith(
+                "-partial"
+            ):  # in progress: segment 0 sampled, the rest waits for step 4's weights
                 assert state["ahead"][4]["partial"]["segment"] == 1
     resumed = STAGES[stage](tiny_policy_dir)
     fit(resumed, prompts_file, tmp_path / "b", ckpt_path=str(by_step[4]))
