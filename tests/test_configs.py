@@ -244,6 +244,19 @@ def test_token_budget_preset_stacks_on_every_online_stage(stage):
     assert len(ONLINE) >= 8  # grpo, rloo, ppo, ppo-vanilla, distill, online-dpo, online-rrhf, multi-turn ones
 
 
+@pytest.mark.parametrize("stage", ONLINE)
+def test_shared_prompt_preset_stacks_on_every_online_stage(stage):
+    """configs/speed/shared-prompt.yaml sets the HF engine's static cache and shared prompt, nothing else of
+    the rollout."""
+    base = parse(CONFIG_DIR / "quickstart" / f"{stage}.yaml").config.model.init_args.rollout
+    rollout = parse(
+        CONFIG_DIR / "quickstart" / f"{stage}.yaml", CONFIG_DIR / "speed" / "shared-prompt.yaml"
+    ).config.model.init_args.rollout
+    assert (base.hf.kv_cache, base.hf.share_prompt) == ("dynamic", False)
+    assert (rollout.hf.kv_cache, rollout.hf.share_prompt, rollout.hf.compile) == ("static", True, False)
+    assert {k: v for k, v in rollout.items() if k != "hf"} == {k: v for k, v in base.items() if k != "hf"}
+
+
 def test_rollout_presets_stack_on_an_online_stage():
     """configs/rollout/icepop.yaml sets the rollout correction, judge.yaml the judge reward, on quickstart GRPO."""
     base = CONFIG_DIR / "quickstart" / "grpo.yaml"

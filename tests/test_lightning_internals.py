@@ -75,6 +75,15 @@ def test_a_missing_lightning_name_is_named(monkeypatch, module, name):
     assert_names_the_change(e.value, "lightning", name)
 
 
+def test_a_changed_instantiate_trainer_signature_is_named(monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr(LightningCLI, "_instantiate_trainer", lambda self, config, callbacks, extra: None)
+    with pytest.raises(LightningInternalsChanged) as e:
+        lightning_internals.check()
+    assert_names_the_change(e.value, "lightning", "_instantiate_trainer")
+
+
 def test_lightning_cli_that_stops_keeping_subcommand_parsers_is_named(monkeypatch):
     monkeypatch.setattr(lightning_internals, "_SUBCOMMAND_PARSERS", "_parsers_renamed")
     with pytest.raises(LightningInternalsChanged, match="_parsers_renamed"):

@@ -164,6 +164,16 @@ def _check_cli_and_io() -> None:
         raise _changed("lightning", "lightning.pytorch.utilities.imports._RICH_AVAILABLE", "gone")
     if not callable(getattr(cli.LightningCLI, "_instantiate_trainer", None)):
         raise _changed("lightning", "LightningCLI._instantiate_trainer", "AlignCLI overrides it")
+    if list(inspect.signature(cli.LightningCLI._instantiate_trainer).parameters) != [
+        "self",
+        "config",
+        "callbacks",
+    ]:
+        raise _changed(
+            "lightning",
+            "LightningCLI._instantiate_trainer",
+            "AlignCLI overrides it as (self, config, callbacks)",
+        )
     source = inspect.getsource(cli.LightningCLI)
     if f"self.{_SUBCOMMAND_PARSERS}" not in source:
         raise _changed("lightning", f"LightningCLI.{_SUBCOMMAND_PARSERS}", "no longer set by LightningCLI")
