@@ -1,7 +1,7 @@
 """Asynchronous rollouts (``rollout.max_staleness``): staleness 0 through the pipeline equals the
 synchronous loop bit for bit, the bound holds on every batch with pinned versions, the prompts of later
 steps are the loader's, and a run resumed from any checkpoint equals the uninterrupted one bit for bit
-(GRPO with dynamic sampling, PPO, online DPO)."""
+(GRPO with dynamic sampling, PPO, online DPO; with partial rollouts also online RRHF and distillation)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from alignlit.modules import (
     KLPenalty,
     Minibatches,
     OnlineDPOModule,
+    OnlineRRHFModule,
     Optim,
     PolicyGradientModule,
     PPOModule,
@@ -247,6 +248,23 @@ def online_dpo(policy_dir, k, partial=None):
     )  # fmt: skip
 
 
+def online_rrhf(policy_dir, k, partial=None):
+    return OnlineRRHFModule(
+        policy=str(policy_dir), reward=char_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0), train_max_length=40,
+        train_max_prompt_length=24,
+        rollout=RolloutLoop(
+            sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3, max_staleness=k, partial=partial
+        ),
+        minibatches=Minibatches(size=2, epochs=2),
+    )  # fmt: skip
+
+
+def distill(policy_dir, k, partial=None):
+    """On-policy distillation (GRPO with a teacher): the teacher is the starting policy, frozen and reloaded
+    from disk, so its signal is zero only at the first step."""
+    return grpo(policy_dir, k, partial=partial, teacher=str(policy_dir), teacher_coef=0.5, task_coef=1.0)
+
+
 STAGES = {
     "grpo-dynamic-sampling": lambda d: grpo(d, 1, dynamic_sampling=DynamicSampling(max_tries=2)),
     "grpo-partial": lambda d: grpo(
@@ -256,6 +274,8 @@ STAGES = {
     "ppo-partial": lambda d: ppo(d, 1, partial=2),
     "online-dpo": lambda d: online_dpo(d, 1),
     "online-dpo-partial": lambda d: online_dpo(d, 1, partial=2),
+    "online-rrhf-partial": lambda d: online_rrhf(d, 1, partial=2),
+    "distill-partial": lambda d: distill(d, 1, partial=2),
 }
 
 
