@@ -37,11 +37,16 @@ class ForwardSettings:
             padded batch's token positions (:func:`~alignlit.models.packing.packing_saving`), else padded
             rows; True: packed whenever possible; False: never.
         min_packing_saving: the threshold of ``packing="auto"``.
+        recompute_mlp: gated MLPs with :func:`~alignlit.models.mlp_memory.recompute_mlp_activations`
+            installed (every model a stage trains) keep neither ``act_fn(gate)`` nor the product
+            ``act_fn(gate) * up`` for the backward pass and recompute them there, from tensors kept anyway.
+            Off: they keep both.
     """
 
     fused_head: bool = True
     packing: bool | Literal["auto"] = "auto"
     min_packing_saving: float = MIN_PACKING_SAVING
+    recompute_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.packing not in (True, False, "auto"):

@@ -19,6 +19,7 @@ from alignlit.lightning_internals import attached_trainer, finish_epoch_in_check
 from alignlit.models.export import export_pretrained
 from alignlit.models.loading import DTYPES, enable_gradient_checkpointing, load_policy, model_source
 from alignlit.models.lora import AdapterDisabled, LoRA, apply_lora
+from alignlit.models.mlp_memory import recompute_mlp_activations
 from alignlit.models.modes import disable_dropout
 from alignlit.models.tiny import TinyLlama
 
@@ -180,11 +181,13 @@ class AlignModule(L.LightningModule):
         self, model: torch.nn.Module, *, gradient_checkpointing: bool = False, lora: bool = True
     ):
         """A model this stage trains, made ready: activation checkpointing on when asked
-        (:func:`alignlit.models.loading.enable_gradient_checkpointing`), then the stage's LoRA adapter
-        injected (when ``lora`` is set and the ``lora`` argument is True;
+        (:func:`alignlit.models.loading.enable_gradient_checkpointing`), its gated MLPs' activations
+        recomputed in the backward pass instead of kept (:mod:`alignlit.models.mlp_memory`; same gradients),
+        then the stage's LoRA adapter injected (when ``lora`` is set and the ``lora`` argument is True;
         :func:`alignlit.models.lora.apply_lora`)."""
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        recompute_mlp_activations(model)
         if lora and self.lora is not None:
             apply_lora(model, self.lora)
         return model
