@@ -141,7 +141,12 @@ class _GatedMLPHooks:
         self.g = self.u = None
 
     def act_post(self, module, args, output):
-        if self.context is None or not args or type(output) is not torch.Tensor:
+        if (
+            self.context is None
+            or not args
+            or type(output) is not torch.Tensor
+            or type(args[0]) is not torch.Tensor
+        ):
             return
         self.g = args[0]
         if output.is_contiguous():
@@ -156,8 +161,8 @@ class _GatedMLPHooks:
             return
         self.marks.clear()  # the product is done: ``a`` is no longer marked (its storage may be reused)
         h, g, u = args[0] if args else None, self.g, self.u
-        if type(h) is not torch.Tensor or g is None or u is None or not h.is_contiguous():
-            return
+        if not all(type(t) is torch.Tensor for t in (h, g, u)) or not h.is_contiguous():
+            return  # tensor-parallel MLPs (DTensor activations) keep their tensors
         if not self.verified:
             with torch.no_grad():
                 same = torch.equal(h, self.mlp.act_fn(g) * u)
