@@ -18,8 +18,9 @@ Peak memory is measured over the second step (the first creates the optimizer st
 at its start (parameters of every model, gradients, optimizer states: "resident") plus the most bytes
 allocated at once above that during the step (torch.profiler allocation events: "transient"); the
 process's peak RSS is reported beside it. Variants: alignlit with its defaults (fused chunked LM-head
-log-probs, packed rows), with full logits (``ForwardSettings(fused_head=False)``), with activation
-checkpointing; TRL with its defaults (TRL 1.16 always computes log-probs with its own fused LM head,
+log-probs, packed rows, gated MLPs recomputing two activations), with full logits
+(``ForwardSettings(fused_head=False)``), with activation checkpointing, with one row per pass (a token
+budget), keeping the MLP activations (``ForwardSettings(recompute_mlp=False)``); TRL with its defaults (TRL 1.16 always computes log-probs with its own fused LM head,
 ``add_fused_lm_head``, tiles of 4096 positions x 32768 vocabulary entries, every position on CPU) and
 with activation checkpointing. Few steps: a memory benchmark; the step times are those of the
 profiled step.
@@ -53,6 +54,8 @@ VARIANTS = {  # name: (side, flags)
     # minibatches.token_budget of one row at the grpo workload's L tokens: one row per forward and backward,
     # the same gradient (TRL's counterpart, gradient accumulation, is not run)
     "alignlit token budget": ("alignlit", ["--token-budget-rows", "1"]),
+    # ForwardSettings.recompute_mlp off: the gated MLPs keep act_fn(gate) and the product (alignlit before it)
+    "alignlit keeping MLP activations": ("alignlit", ["--keep-mlp"]),
     "trl": ("trl", []),
     "trl checkpointing": ("trl", ["--gradient-checkpointing"]),
 }
@@ -122,6 +125,15 @@ def grpo_prompt(tokenizer, task_prompt: str, tokens: int) -> str:
 
 def worker(args) -> None:
     """One measurement in this process; prints ``RESULT {json}``."""
+    if args.keep_mlp:  # the gated MLPs keep act_fn(gate) and the product (ForwardSettings.recompute_mlp off)
+        from alignlit.models.forward_settings import use_forward_settings
+
+        with use_forward_settings(recompute_mlp=False):
+            return measure(args)
+    return measure(args)
+
+
+def measure(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -233,6 +245,7 @@ def main() -> None:
     parser.add_argument("--no-fused-head", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gradient-checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--token-budget-rows", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--keep-mlp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.side = args.worker
