@@ -28,6 +28,8 @@ the quickstart commands). Writes ``<results>/async.{md,json,png}``; every run's 
     python benchmarks/bench_async.py --prepare                   # GRPO and PPO, k = 0 1 2 4, HF engine
     python benchmarks/bench_async.py --engines hf vllm --staleness 0 1
     python benchmarks/bench_async.py --tiny                      # 4 rollouts each, 50 test prompts
+    python benchmarks/bench_async.py --stages grpo-long grpo-long-partial --staleness 0 1 --test-prompts 100 \
+        --rollouts 20 --name async_long                          # the long shape (LONG below)
 """
 
 from __future__ import annotations
@@ -57,6 +59,36 @@ CONFIGS = {
     # its speed-up is against grpo's k = 0)
     "grpo-partial": ("configs/quickstart/grpo.yaml", ["--model.init_args.rollout.partial=12"]),
 }
+LONG = {
+    "prompt_words": 100,
+    "prompts": 4,
+    "group": 8,
+    "max_new_tokens": 128,
+    "vocab": 512,
+    "test_prompts": 100,
+}
+"""The long shape (``--stages grpo-long ...``): the step of ``bench_vs_trl.py --prompt-words 100 --group 8
+--rollout-prompts 4 --max-new-tokens 128`` as an ``alignlit fit`` run. A 3M-parameter random Llama with
+512 positions (``harness.vs_trl.MODEL``; the quickstart policy has 128) samples responses that run to
+~105 of the 128 new tokens after ~140-token prompts (a 100-symbol context before each simulated-task
+prompt), so generation is most of the step; the reward is the simulated task's gold reward of the
+response (``harness.vs_trl.reward_fn``, which strips the context), so ``gold`` is the training reward
+on held-out prompts. One pass over each rollout in minibatches of 16 (TRL's ``num_iterations: 1``, as in
+``bench_vs_trl.py``)."""
+LONG_OVERRIDES = [
+    "--model.init_args.policy={long}/policy", "--model.init_args.reward=harness.vs_trl.reward_fn",
+    "--model.init_args.gold=null", "--model.init_args.ptx=null",
+    "--data.init_args.train_file={long}/prompts_train.jsonl", "--data.init_args.val_file=null",
+    f"--data.init_args.batch_size={LONG['prompts']}", f"--model.init_args.rollout.samples_per_prompt={LONG['group']}",
+    f"--model.init_args.rollout.sampling.max_new_tokens={LONG['max_new_tokens']}",
+    f"--model.init_args.minibatches.size={LONG['prompts'] * LONG['group'] // 2}", "--model.init_args.minibatches.epochs=1",
+]  # fmt: skip
+CONFIGS["grpo-long"] = ("configs/quickstart/grpo.yaml", LONG_OVERRIDES)
+# partial rollouts at the long shape: two segments of 64 new tokens
+CONFIGS["grpo-long-partial"] = (
+    "configs/quickstart/grpo.yaml",
+    [*LONG_OVERRIDES, f"--model.init_args.rollout.partial={LONG['max_new_tokens'] // 2}"],
+)
 
 
 def cpu_seconds() -> float:
@@ -88,6 +120,35 @@ def prepare(root: Path, env: dict) -> None:
     harness_prepare(quickstart_stages(root), run)
 
 
+def prepare_long(work: Path) -> Path:
+    """The long shape's assets under ``work/long`` unless they exist: simulated-task prompts with their
+    context (train, test), the sim tokenizer and the random policy (:data:`LONG`)."""
+    from alignlit.data.tokenizer import load_tokenizer
+    from alignlit.models import export_pretrained, make_tiny_llama
+    from alignlit.sim import make_data, write_tokenizer
+    from harness.vs_trl import MODEL, with_context
+
+    root = work / "long"
+    if (root / "policy" / "config.json").exists():
+        return root
+    make_data(
+        root / "sim", seed=0, n_sft=10, n_pairs=10, n_prompts=400, n_val=10, n_test=LONG["test_prompts"]
+    )
+    for split in ("train", "test"):
+        lines = (root / "sim" / f"prompts_{split}.jsonl").read_text().splitlines()
+        prompts = [
+            with_context(json.loads(line)["prompt"], LONG["prompt_words"], i) for i, line in enumerate(lines)
+        ]
+        (root / f"prompts_{split}.jsonl").write_text(
+            "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+        )
+    write_tokenizer(str(root / "sim"), vocab_size=LONG["vocab"])
+    tokenizer = load_tokenizer(root / "sim" / "tokenizer")
+    policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=512, **MODEL)
+    export_pretrained(policy, tokenizer, root / "policy", stage="bench")
+    return root
+
+
 def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> dict:
     """One training run; its record (timings from the history, the export's path). ``threads``: torch
     threads of the trainer (and of an in-process engine); the HF worker always has one."""
@@ -98,6 +159,12 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
     if (cached := read_json(record_file)) and cached.get("rollouts") == args.rollouts:
         return cached
     config, overrides = CONFIGS[stage]
+    env = {**args.env, "OMP_NUM_THREADS": str(threads)}
+    if stage.startswith("grpo-long"):
+        long = prepare_long(Path(args.work))
+        overrides = [o.format(long=long) for o in overrides]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), env.get("PYTHONPATH")]))
+        env["BENCH_SIM_DIR"] = str(long / "sim")
     argv = [
         "fit", "--config", str(ROOT / config), *overrides, f"--seed_everything={seed}",
         f"--model.init_args.rollout.seed={seed}",
@@ -108,7 +175,6 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
         f"--trainer.default_root_dir={run}", f"--model.init_args.curves_file={run / 'curves.png'}",
         f"--model.init_args.export_dir={run / 'policy'}",
     ]  # fmt: skip
-    env = {**args.env, "OMP_NUM_THREADS": str(threads)}
     if engine == "vllm":  # vLLM's engine (in-process at k = 0, its own process at k >= 1): `threads` threads
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     wall, cpu = run_alignlit(argv, Path(args.root), run / "fit.log", env)
@@ -157,15 +223,31 @@ def evaluate(args, record: dict) -> dict:
     from alignlit.sim import load_sim
 
     root = Path(args.root)
-    task, _ = load_sim(root / "data/sim")
-    prompts = [parse_prompt(r) for r in read_records(root / "data/sim/prompts_test.jsonl")][
-        : args.test_prompts
-    ]
-    sft, _ = load_policy(root / "out/quickstart/sft")
+    if record["stage"].startswith("grpo-long"):  # the long shape: its own prompts, start policy and reward
+        from harness import vs_trl
+
+        long = prepare_long(Path(args.work))
+        os.environ["BENCH_SIM_DIR"] = str(long / "sim")
+        test, start, reward, new_tokens = (
+            long / "prompts_test.jsonl",
+            long / "policy",
+            vs_trl.reward_fn,
+            LONG["max_new_tokens"],
+        )
+    else:
+        task, _ = load_sim(root / "data/sim")
+        test, start, reward, new_tokens = (
+            root / "data/sim/prompts_test.jsonl",
+            root / "out/quickstart/sft",
+            task.gold_rewards,
+            24,
+        )
+    prompts = [parse_prompt(r) for r in read_records(test)][: args.test_prompts]
+    sft, _ = load_policy(start)
     policy, tokenizer = load_policy(record["policy"])
     sft.eval(), policy.eval()
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=record["seed"])
-    result = evaluate_policy(policy, tokenizer, prompts, task.gold_rewards, reference=sft, sampling=sampling,
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=record["seed"])
+    result = evaluate_policy(policy, tokenizer, prompts, reward, reference=sft, sampling=sampling,
                              batch_size=100, name=f"{record['stage']} k={record['k']}")  # fmt: skip
     out = {"prompts": len(prompts), **result.as_dict()}
     cell.write_text(json.dumps(out) + "\n")

@@ -74,3 +74,30 @@ def bench_async_args(work, *argv):
         work=str(work), stages=[values.get("--stages", "grpo")], engines=["hf"],
         rollouts=int(values.get("--rollouts", 30)), test_prompts=int(values.get("--test-prompts", 500)),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", ["grpo-long", "grpo-long-partial"])
+def test_long_shape_stages_parse(stage, monkeypatch, tmp_path):
+    """The long shape's overrides on the quickstart GRPO config parse (reward by dotted path from
+    benchmarks/, the random policy's directory) and give the shape bench_async documents."""
+    import importlib.util
+
+    from alignlit.cli import AlignCLI
+
+    spec = importlib.util.spec_from_file_location("bench_async_script", ROOT / "benchmarks" / "bench_async.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    class ParseOnly(AlignCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    config, overrides = script.CONFIGS[stage]
+    args = ["--config", str(ROOT / config), *(o.format(long=tmp_path) for o in overrides)]
+    monkeypatch.setattr(sys, "argv", ["alignlit"])
+    init = ParseOnly(args=args, run=False).config.model.init_args
+    assert init.reward == "harness.vs_trl.reward_fn" and init.policy == f"{tmp_path}/policy"
+    rollout = init.rollout.init_args
+    assert rollout.sampling.max_new_tokens == 128 and rollout.samples_per_prompt == 8
+    assert (init.minibatches.size, init.minibatches.epochs) == (16, 1)
+    assert rollout.partial == (64 if stage.endswith("partial") else None)

@@ -14,7 +14,7 @@ PHASES = {
     "ref_logp_s": "time/ref_logp_s",
 }  # fmt: skip
 
-SYNC_BASE = {"grpo-partial": "grpo"}
+SYNC_BASE = {"grpo-partial": "grpo", "grpo-long-partial": "grpo-long"}
 """Stages without a synchronous run of their own (partial rollouts need k >= 1): the stage whose k = 0 runs are
 their speed-up's base and overlap ceiling."""
 
