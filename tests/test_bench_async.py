@@ -84,7 +84,9 @@ def test_long_shape_stages_parse(stage, monkeypatch, tmp_path):
 
     from alignlit.cli import AlignCLI
 
-    spec = importlib.util.spec_from_file_location("bench_async_script", ROOT / "benchmarks" / "bench_async.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_async_script", ROOT / "benchmarks" / "bench_async.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
 
