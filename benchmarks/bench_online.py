@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, fit_once, paper_stages, write_results
+from harness import Cells, config_args, fit_once, paper_stages, write_results
 from harness import prepare as harness_prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,21 +170,21 @@ def sft_samples(args, prompts: list[str]) -> tuple[list, float]:
     from alignlit.rollout.sampling import sample_ranked
 
     out = Path(args.out) / "offline" / "ranked.jsonl"
-    meta = out.with_suffix(".json")
-    key = {"sft": args.sft, "rm": args.reward_model, "n": args.n, "prompts": prompts}
-    if meta.exists() and json.loads(meta.read_text())["key"] == key:
-        return read_ranked(out), json.loads(meta.read_text())["seconds"]
-    start = time.perf_counter()
-    policy, tokenizer = load_policy(args.sft)
-    rm = load_reward_model(args.reward_model, batch_size=128)
-    groups, _ = sample_ranked(
-        policy.eval(), tokenizer, prompts, n=args.n, sampling=SamplingParams(**SAMPLING, seed=0),
-        scorer=lambda p, r: rm.score(p, r).tolist(), batch_size=128,
-    )  # fmt: skip
-    write_jsonl([g.to_record() for g in groups], out)
-    seconds = time.perf_counter() - start
-    meta.write_text(json.dumps({"key": key, "seconds": seconds}) + "\n")
-    return groups, seconds
+    spec = {"sft": args.sft, "rm": args.reward_model, "n": args.n, "prompts": prompts}
+
+    def sample() -> dict:
+        start = time.perf_counter()
+        policy, tokenizer = load_policy(args.sft)
+        rm = load_reward_model(args.reward_model, batch_size=128)
+        groups, _ = sample_ranked(
+            policy.eval(), tokenizer, prompts, n=args.n, sampling=SamplingParams(**SAMPLING, seed=0),
+            scorer=lambda p, r: rm.score(p, r).tolist(), batch_size=128,
+        )  # fmt: skip
+        write_jsonl([g.to_record() for g in groups], out)
+        return {"seconds": time.perf_counter() - start}
+
+    done = Cells(out.parent).run("ranked", sample, spec=spec, valid=lambda _: out.exists())
+    return read_ranked(out), done["seconds"]
 
 
 def offline_dpo(args, groups, sample_s: float, penalty: float, steps: int) -> dict:

@@ -122,6 +122,10 @@ def test_a_training_cell_reuses_a_finished_run_with_the_same_command(tmp_path):
     assert list(first) == ["arm", "argv", "policy", "fit_s"]
     harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
     assert len(calls) == 2  # another command line: trained again
+    assert (tmp_path / "cells" / "fit.json").exists()  # a harness cell, not a record of its own
+    (tmp_path / "policy" / "config.json").unlink()
+    harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
+    assert len(calls) == 3  # the same command, but its export is gone: trained again
 
 
 def test_paper_stages_are_made_once_in_order(tmp_path):
@@ -140,7 +144,7 @@ def test_paper_stages_are_made_once_in_order(tmp_path):
         harness.prepare(stages, run=ran.append, make=False, hint="run --prepare")
 
 
-def test_json_records_are_atomic_and_cached_once(tmp_path):
+def test_json_records_are_atomic_and_cached_per_spec(tmp_path):
     harness.write_json(tmp_path / "a" / "cell.json", {"gold": 1.0})
     assert harness.read_json(tmp_path / "a" / "cell.json") == {"gold": 1.0}
     assert harness.read_json(tmp_path / "none.json") == {} and not list(tmp_path.rglob("*.tmp"))
@@ -149,9 +153,13 @@ def test_json_records_are_atomic_and_cached_once(tmp_path):
     assert (
         harness.cached(tmp_path / "c.json", make, 3)
         == {"x": 3}
-        == harness.cached(tmp_path / "c.json", make, 4)
+        == harness.cached(tmp_path / "c.json", make, 3)
     )
-    assert calls == [3]
+    assert calls == [3]  # computed once
+    assert harness.cached(tmp_path / "c.json", make, 4) == {"x": 4} and calls == [3, 4]  # another argument
+    assert harness.cached(tmp_path / "c.json", make, 5, spec="fixed") == {"x": 5}
+    assert harness.cached(tmp_path / "c.json", make, 6, spec="fixed") == {"x": 5}  # the spec decides
+    assert (tmp_path / "cells" / "c.json").exists()
 
 
 def test_a_failing_alignlit_run_names_itself_and_its_log(tmp_path):

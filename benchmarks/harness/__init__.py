@@ -197,14 +197,15 @@ class Cells:
         record = json.loads(path.read_text())
         return record["result"] if record.get("spec") == _jsonable(spec) else None
 
-    def run(self, key: str, compute, spec=None):
-        """``compute()``'s result for ``key``, computed once per ``spec`` (JSON-serialisable)."""
+    def run(self, key: str, compute, spec=None, valid=None):
+        """``compute()``'s result for ``key``, computed once per ``spec`` (JSON-serialisable); with ``valid``,
+        a cached result is used only if ``valid(result)`` (e.g. the files it names still exist)."""
         import json
         import os
         import time
 
         cached = self.get(key, spec)
-        if cached is not None:
+        if cached is not None and (valid is None or valid(cached)):
             return cached
         start = time.perf_counter()
         result = compute()
@@ -409,29 +410,28 @@ def stamp(payload: dict, command: str | None = None) -> dict:
 
 
 def fit_once(work: Path, argv: list[str], record: dict | None = None, extra_s: float = 0.0, run=None) -> dict:
-    """A training cell: ``alignlit <argv>`` (in this process by default), unless ``work/run.json`` records
-    the same ``argv`` and the export ``work/policy`` is complete; returns the run's record
-    (``record``'s keys, ``argv``, ``policy``, ``fit_s``: its wall time plus ``extra_s``)."""
-    import json
+    """A training cell (``Cells(work)``, key ``fit``, spec: ``argv``): ``alignlit <argv>`` (in this process by
+    default), unless the same ``argv`` finished and its export ``work/policy`` is complete; returns the run's
+    record (``record``'s keys, ``argv``, ``policy``, ``fit_s``: its wall time plus ``extra_s``)."""
     import time
 
-    path, policy = Path(work) / "run.json", Path(work) / "policy"
-    if path.exists():
-        done = json.loads(path.read_text())
-        if done["argv"] == argv and (policy / "config.json").exists():
-            return done
+    policy = Path(work) / "policy"
     if run is None:
         from alignlit.cli import main as run
-    start = time.perf_counter()
-    run(argv)
-    done = {
-        **(record or {}),
-        "argv": argv,
-        "policy": str(policy),
-        "fit_s": time.perf_counter() - start + extra_s,
-    }
-    path.write_text(json.dumps(done, indent=1) + "\n")
-    return done
+
+    def train() -> dict:
+        start = time.perf_counter()
+        run(argv)
+        return {
+            **(record or {}),
+            "argv": argv,
+            "policy": str(policy),
+            "fit_s": time.perf_counter() - start + extra_s,
+        }
+
+    return Cells(work).run(
+        "fit", train, spec={"argv": argv}, valid=lambda _: (policy / "config.json").exists()
+    )
 
 
 # --- running alignlit, JSON records ------------------------------------------------------------------
@@ -480,15 +480,20 @@ def write_json(path: Path, record, indent: int | None = None) -> None:
     tmp.replace(path)
 
 
-def cached(path: Path, make, *make_args):
-    """``make(*make_args)``'s JSON result, computed once and kept at ``path``."""
+def cached(path: Path, make, *make_args, spec=None):
+    """``make(*make_args)``'s JSON result as a cell of ``Cells(path.parent)`` named ``path.stem``, computed
+    once per ``spec`` (default: the arguments, as JSON with ``str`` for anything else): a changed argument
+    computes it again."""
+    if spec is None:
+        spec = hashlib.sha256(json_text(make_args).encode()).hexdigest()
+    return Cells(Path(path).parent).run(Path(path).stem, lambda: make(*make_args), spec=spec)
+
+
+def json_text(value) -> str:
+    """``value`` as canonical JSON (sorted keys, ``str`` of what JSON cannot hold)."""
     import json
 
-    if path.exists():
-        return json.loads(path.read_text())
-    value = make(*make_args)
-    write_json(path, value, indent=1)
-    return value
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def quickstart_stages(root: Path) -> list[tuple]:
