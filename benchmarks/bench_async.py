@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import command_line, quickstart_stages, read_json, write_results
+from harness import Cells, command_line, quickstart_stages, write_results
 from harness import prepare as harness_prepare
 from harness.async_runs import PHASES, SYNC_BASE, collect, format_table, plot, table
 
@@ -155,9 +155,6 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
     run = Path(args.work) / f"{stage}-{engine}-k{k}-s{seed}" if threads == 1 else (
         Path(args.work) / f"{stage}-{engine}-k{k}-t{threads}-s{seed}"
     )  # fmt: skip
-    record_file = run / "run.json"
-    if (cached := read_json(record_file)) and cached.get("rollouts") == args.rollouts:
-        return cached
     config, overrides = CONFIGS[stage]
     env = {**args.env, "OMP_NUM_THREADS": str(threads)}
     if stage.startswith("grpo-long"):
@@ -177,45 +174,56 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
     ]  # fmt: skip
     if engine == "vllm":  # vLLM's engine (in-process at k = 0, its own process at k >= 1): `threads` threads
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    wall, cpu = run_alignlit(argv, Path(args.root), run / "fit.log", env)
-    history = [h for h in json.loads((run / "curves.json").read_text()) if "time/train_s" in h]
-    steps = [
-        {
-            "seconds": h["time/rollout_s"] + h["time/train_s"],
-            "samples": h.get("rollout/samples", 0.0),
-            "wait": h.get("async/wait_s", h["time/rollout_s"]),
-            "staleness": h.get("async/staleness_max", 0.0),
-            "token_staleness": h.get("async/token_staleness_mean"),  # partial rollouts: per token
-            **{name: h.get(key, 0.0) for name, key in PHASES.items()},
-        }
-        for h in history
-    ]
-    steady = steps[k + 1 :] or steps
-    seconds = sum(s["seconds"] for s in steady)
-    record = {
-        "stage": stage, "engine": engine, "k": k, "threads": threads, "seed": seed, "rollouts": args.rollouts,
-        "wall_s": wall, "cpu_s": cpu, "cores_used": cpu / wall,
-        "samples_per_s": sum(s["samples"] for s in steady) / seconds,
-        "samples_per_s_all": sum(s["samples"] for s in steps) / sum(s["seconds"] for s in steps),
-        "wait_share": sum(s["wait"] for s in steady) / seconds,
-        "first_step_s": steps[0]["seconds"],
-        "phases_s": {name: sum(s[name] for s in steady) / len(steady) for name in PHASES},
-        "staleness": [s["staleness"] for s in steps], "policy": str(run / "policy"),
-        "token_staleness_mean": (
-            sum(s["token_staleness"] for s in steady) / len(steady)
-            if all(s["token_staleness"] is not None for s in steady) else None
-        ),
-    }  # fmt: skip
-    run.mkdir(parents=True, exist_ok=True)
-    record_file.write_text(json.dumps(record, indent=1) + "\n")
-    return record
+
+    def measure() -> dict:
+        wall, cpu = run_alignlit(argv, Path(args.root), run / "fit.log", env)
+        history = [h for h in json.loads((run / "curves.json").read_text()) if "time/train_s" in h]
+        steps = [
+            {
+                "seconds": h["time/rollout_s"] + h["time/train_s"],
+                "samples": h.get("rollout/samples", 0.0),
+                "wait": h.get("async/wait_s", h["time/rollout_s"]),
+                "staleness": h.get("async/staleness_max", 0.0),
+                "token_staleness": h.get("async/token_staleness_mean"),  # partial rollouts: per token
+                **{name: h.get(key, 0.0) for name, key in PHASES.items()},
+            }
+            for h in history
+        ]
+        steady = steps[k + 1 :] or steps
+        seconds = sum(s["seconds"] for s in steady)
+        record = {
+            "stage": stage, "engine": engine, "k": k, "threads": threads, "seed": seed, "rollouts": args.rollouts,
+            "wall_s": wall, "cpu_s": cpu, "cores_used": cpu / wall,
+            "samples_per_s": sum(s["samples"] for s in steady) / seconds,
+            "samples_per_s_all": sum(s["samples"] for s in steps) / sum(s["seconds"] for s in steps),
+            "wait_share": sum(s["wait"] for s in steady) / seconds,
+            "first_step_s": steps[0]["seconds"],
+            "phases_s": {name: sum(s[name] for s in steady) / len(steady) for name in PHASES},
+            "staleness": [s["staleness"] for s in steps], "policy": str(run / "policy"),
+            "token_staleness_mean": (
+                sum(s["token_staleness"] for s in steady) / len(steady)
+                if all(s["token_staleness"] is not None for s in steady) else None
+            ),
+        }  # fmt: skip
+        return record
+
+    return Cells(run).run(
+        "fit", measure, spec={"argv": argv}, valid=lambda _: (run / "policy" / "config.json").exists()
+    )
 
 
 def evaluate(args, record: dict) -> dict:
-    """Gold reward and KL to SFT of a run's export on the test prompts (cached in the run's folder)."""
-    cell = Path(record["policy"]).parent / "eval_test.json"
-    if (cached := read_json(cell)) and cached.get("prompts") == args.test_prompts:
-        return cached
+    """Gold reward and KL to SFT of a run's export on the test prompts: the cell ``eval_test`` of the run's
+    folder, computed again for another prompt count or another export."""
+    export = Path(record["policy"]) / "config.json"
+    return Cells(Path(record["policy"]).parent).run(
+        "eval_test",
+        lambda: evaluate_now(args, record),
+        spec={"prompts": args.test_prompts, "policy": export.stat().st_mtime},
+    )
+
+
+def evaluate_now(args, record: dict) -> dict:
     from alignlit.data import parse_prompt, read_records
     from alignlit.eval.gold import evaluate_policy
     from alignlit.models import load_policy
@@ -249,9 +257,7 @@ def evaluate(args, record: dict) -> dict:
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=record["seed"])
     result = evaluate_policy(policy, tokenizer, prompts, reward, reference=sft, sampling=sampling,
                              batch_size=100, name=f"{record['stage']} k={record['k']}")  # fmt: skip
-    out = {"prompts": len(prompts), **result.as_dict()}
-    cell.write_text(json.dumps(out) + "\n")
-    return out
+    return {"prompts": len(prompts), **result.as_dict()}
 
 
 def main(argv: list[str] | None = None) -> dict:

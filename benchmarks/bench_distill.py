@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import config_args, run_alignlit, write_results
+from harness import Cells, config_args, run_alignlit, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "quickstart"  # the scale: config_args(name, CONFIGS) is the quickstart stack of run `name`
@@ -87,8 +87,6 @@ class Bench:
 
     def shared(self) -> dict:
         """Data, the SFT policy and the teacher, once; their wall times."""
-        done = self.work / "shared.json"
-        times = json.loads(done.read_text()) if done.exists() else {}
         steps = [
             ("make-data", ["sim", "make-data", "--out", "data/sim", *(TINY_DATA if self.args.tiny else [])]),
             ("sft", ["fit", *config_args("sft.yaml", CONFIGS), *quiet_trainer(0),
@@ -98,23 +96,28 @@ class Bench:
                          f"--trainer.limit_train_batches={3 if self.args.tiny else 60}"]),
         ]  # fmt: skip
         self.root.mkdir(parents=True, exist_ok=True)
+        times, after = (
+            {},
+            None,
+        )  # each stage a cell after the one before it (a stage that ran reruns the later)
         for name, argv in steps:
-            if name in times:
-                continue
-            print(f"bench_distill: {name}: alignlit {' '.join(argv)}", flush=True)
-            times[name] = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
-            done.write_text(json.dumps(times, indent=1) + "\n")
+
+            def stage(name=name, argv=argv) -> dict:
+                print(f"bench_distill: {name}: alignlit {' '.join(argv)}", flush=True)
+                seconds = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
+                return {"s": seconds, "stamp": time.time()}
+
+            done = Cells(self.work / "shared").run(name, stage, spec={"argv": argv, "after": after})
+            times[name], after = done["s"], done["stamp"]
         return times
 
     def run_dir(self, arm: str, lr: float, seed: int) -> Path:
         return self.work / "runs" / arm / f"lr={lr:g}" / f"seed{seed}"
 
     def fit(self, arm: str, lr: float, seed: int) -> dict:
-        """One training run (skipped when its record exists); its record: wall time, load, history."""
+        """One training run (``fit`` of ``Cells(run_dir)``: skipped when the same command finished and its
+        export exists); its record: wall time, load, history."""
         path = self.run_dir(arm, lr, seed)
-        record_file = path / "fit.json"
-        if record_file.exists():
-            return json.loads(record_file.read_text())
         _, config, overrides = ARMS[arm]
         export = path / "export"
         argv = [
@@ -124,17 +127,32 @@ class Bench:
             *[f"--model.init_args.{k}={v}" for k, v in overrides.items()],
             f"--model.init_args.optim.lr={lr}", f"--model.init_args.export_dir={export}",
         ]  # fmt: skip
-        load = os.getloadavg()[0]
-        print(f"bench_distill: {arm} lr={lr:g} seed {seed} (load {load:.2f})", flush=True)
-        fit_s = run_alignlit(f"{arm} seed {seed}", argv, self.root, path / "fit.log")
-        history = json.loads(next((path / "logs").rglob("policy_gradient_curves.json")).read_text())
-        record = {"arm": arm, "lr": lr, "seed": seed, "fit_s": fit_s, "load_at_start": load, "argv": argv,
-                  "history": history, "export": str(export)}  # fmt: skip
-        record_file.write_text(json.dumps(record) + "\n")
-        return record
+
+        def train() -> dict:
+            load = os.getloadavg()[0]
+            print(f"bench_distill: {arm} lr={lr:g} seed {seed} (load {load:.2f})", flush=True)
+            fit_s = run_alignlit(f"{arm} seed {seed}", argv, self.root, path / "fit.log")
+            history = json.loads(next((path / "logs").rglob("policy_gradient_curves.json")).read_text())
+            return {"arm": arm, "lr": lr, "seed": seed, "fit_s": fit_s, "load_at_start": load, "argv": argv,
+                    "history": history, "export": str(export)}  # fmt: skip
+
+        return Cells(path).run(
+            "fit", train, spec={"argv": argv}, valid=lambda _: (export / "config.json").exists()
+        )
 
     def evaluate(self, arm: str, lr: float, seed: int, split: str) -> dict:
-        """Gold, pass rate, KL to SFT and to the teacher, length on ``split`` prompts (sampling seed = seed)."""
+        """Gold, pass rate, KL to SFT and to the teacher, length on ``split`` prompts (sampling seed = seed): the
+        cell ``eval_<split>`` of ``Cells(run_dir)``, computed again for another prompt count or export."""
+        count = self.args.val_prompts if split == "val" else self.args.test_prompts
+        export = (
+            self.run_dir(arm, lr, seed) / "export" / "config.json"
+        )  # when the evaluated policy was written
+        spec = {"prompts": count, "policy": export.stat().st_mtime}
+        return Cells(self.run_dir(arm, lr, seed)).run(
+            f"eval_{split}", lambda: self.evaluate_now(arm, lr, seed, split, count), spec=spec
+        )
+
+    def evaluate_now(self, arm: str, lr: float, seed: int, split: str, count: int) -> dict:
         import torch
 
         from alignlit.data import parse_prompt, read_records
@@ -144,10 +162,6 @@ class Bench:
         from alignlit.rollout.reward_protocol import score_texts
         from alignlit.sim import load_sim
 
-        out = self.run_dir(arm, lr, seed) / f"eval_{split}.json"
-        if out.exists():
-            return json.loads(out.read_text())
-        count = self.args.val_prompts if split == "val" else self.args.test_prompts
         sim = self.root / "data" / "sim"
         prompts = [parse_prompt(r) for r in read_records(sim / f"prompts_{split}.jsonl")][:count]
         task, _ = load_sim(sim)
@@ -172,7 +186,6 @@ class Bench:
             "kl_to_sft": statistics.mean(kl_sft), "kl_to_teacher": statistics.mean(kl_teacher),
             "length": statistics.mean(lengths),
         }  # fmt: skip
-        out.write_text(json.dumps(record) + "\n")
         return record
 
     def reference_rows(self) -> dict:

@@ -26,7 +26,8 @@ with activation checkpointing. Few steps: a memory benchmark; the step times are
 profiled step.
 
 This CPU has no native bfloat16 (no avx512_bf16/amx flags), so the model runs in float32 (``--dtype``).
-Each cell is written to the JSON as it finishes, and a rerun skips finished cells (``--fresh``: redo).
+Each cell is a harness cell under ``--work`` (``out/bench/<name>``): a rerun reads back the finished cells of the same
+settings and code (``--fresh``: measure them again); the JSON and table hold every cell of the command.
 
     python benchmarks/bench_memory.py --trl-python /work/venv-bench/bin/python
     python benchmarks/bench_memory.py --lengths 512 --workloads dpo,grpo --layers 24
@@ -44,7 +45,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import QWEN, write_results  # benchmarks/ is on sys.path when a script runs
+from harness import (  # benchmarks/ is on sys.path when a script runs
+    QWEN,
+    code_stamp,
+    measurement_cells,
+    write_results,
+)
 
 WORKLOADS = ("sft", "dpo", "reward", "grpo")
 VARIANTS = {  # name: (side, flags)
@@ -236,7 +242,10 @@ def main() -> None:
     )
     parser.add_argument("--trl-python", default=sys.executable)
     parser.add_argument("--out", default="benchmarks/results/memory.json")
-    parser.add_argument("--fresh", action="store_true", help="redo the cells already in --out")
+    parser.add_argument("--fresh", action="store_true", help="measure every cell again (not from --work)")
+    parser.add_argument(
+        "--work", default=None, help="the cells, kept between runs (default: out/bench/<--out's name>)"
+    )
     parser.add_argument("--worker", choices=["alignlit", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--side", help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
@@ -261,19 +270,22 @@ def main() -> None:
         if unknown:
             parser.error(f"{what}: unknown {unknown}; choose from {list(known)}")
     out = Path(args.out)
-    previous = json.loads(out.read_text()) if out.exists() and not args.fresh else {}
-    same_model = previous.get("model", {}).get("layers") == args.layers
-    cells = [c for c in previous.get("cells", []) if same_model and c.get("status") == "ok"]
-    done = {(c["workload"], c["length"], c["variant"]) for c in cells}
+    cells_dir = measurement_cells(out.stem, args.work)
     plan = [
         (w, length, v)
         for length in args.lengths
         for w in workloads
         for v in variants
-        if (w, length, v) not in done
-        and (v in ("alignlit", "trl") or length in ablation)
+        if (v in ("alignlit", "trl") or length in ablation)
         and not (v == "alignlit full logits" and w == "reward")  # a scalar head has no vocabulary
     ]
+    # a cell is measured again for other settings, other code or with --fresh
+    common = {k: getattr(args, k) for k in ("layers", "rows", "group", "threads", "dtype")}
+    common["code"] = code_stamp()
+    spec = {f"{w}-L{n}-{v}": {**common, "workload": w, "length": n, "variant": v} for w, n, v in plan}
+    for key in spec if args.fresh else ():
+        cells_dir.path(key).unlink(missing_ok=True)
+    done = sum(cells_dir.get(key, spec[key]) is not None for key in spec)
     payload = {
         "benchmark": "memory",
         "model": {**QWEN, "layers": args.layers, "dtype": args.dtype},
@@ -281,18 +293,32 @@ def main() -> None:
             k: v for k, v in vars(args).items() if k not in ("worker", "side", "workload", "length", "assets")
         },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "cells": cells,
+        "cells": [],
     }
-    print(f"{len(plan)} cells to run ({len(done)} already in {out})", flush=True)
+    print(f"{len(plan)} cells ({done} measured before, in {cells_dir.dir})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        if plan:
-            build_assets(root, args)
+        built = False
         for workload, length, variant in plan:
-            side, flags = VARIANTS[variant]
-            python = args.trl_python if side == "trl" else sys.executable
-            cell = {"workload": workload, "length": length, "variant": variant,
-                    **run_cell(python, side, flags, workload, length, root, args)}  # fmt: skip
+            key = f"{workload}-L{length}-{variant}"
+
+            def measure(workload=workload, length=length, variant=variant) -> dict:
+                nonlocal built
+                if not built:
+                    build_assets(root, args)
+                    built = True
+                side, flags = VARIANTS[variant]
+                python = args.trl_python if side == "trl" else sys.executable
+                return run_cell(python, side, flags, workload, length, root, args)
+
+            cell = {
+                "workload": workload,
+                "length": length,
+                "variant": variant,
+                **cells_dir.run(key, measure, spec[key]),
+            }
+            if cell["status"] != "ok":  # a failed cell is measured again by the next run
+                cells_dir.path(key).unlink()
             payload["cells"].append(cell)
             status = (
                 f"peak {cell['peak_mb']:.0f} MB, step {cell['step_s']:.1f} s"
@@ -300,7 +326,6 @@ def main() -> None:
                 else cell["error"]
             )
             print(f"  {workload} L={length} {variant}: {status}", flush=True)
-            write_results(out.stem, payload, results_dir=out.parent)  # after each cell: a rerun resumes
     order = {(w, length, v): i for i, (w, length, v) in enumerate(
         (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
     payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))

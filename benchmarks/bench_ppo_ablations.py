@@ -17,7 +17,7 @@ table, writes ``benchmarks/results/ppo_ablations.{json,md}`` and overlays the ar
 in ``benchmarks/results/ppo_ablations.png`` (``--name`` changes the file name).
 
 The benchmark is a list of cells (benchmarks/harness/): one training cell per arm (reused when
-``<out>/<arm>/run.json`` records the same command and the export is complete) and one evaluation cell
+its cell ``<out>/<arm>/cells/fit.json`` holds the same command and the export is complete) and one evaluation cell
 per policy (cached under ``<out>/cells/`` with the policy's training command), so a stopped run resumes.
 
     python benchmarks/bench_ppo_ablations.py                         # RM: out/paper/reward

@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # benchmarks/ is on sys.path when a script runs
     command_line,
     fmt_s,
-    read_json,
     write_results,
 )
 from harness.quality import (
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     bench = Bench(args, methods)
     the_plan = plan(methods, bench.configs, args.seeds, args.grid_limit)
     cells: list[Cell] = the_plan["cells"]
-    shared_left = [k for k in suite.shared if k not in read_json(bench.work / "shared.json")]
+    shared_left = bench.shared_left()
     shared_s = sum(ESTIMATE_S[k] * bench.scale for k in shared_left)
     print(f"bench_quality: configs {bench.configs}, work {bench.work}, results {args.results}")
     print(f"bench_quality: shared stages to run: {', '.join(shared_left) or 'none'} (~{fmt_s(shared_s)})")

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import (
+    Cells,
     command_line,
     config_sha256,
     config_stack,
@@ -61,7 +62,6 @@ from harness import (
     mean_std,
     pm,
     read_config,
-    read_json,
     run_alignlit,
     write_results,
 )
@@ -383,48 +383,52 @@ class Runner:
         return path / get_key(read_config(r.config, self.configs), "model.init_args.export_dir")
 
     def fit(self, row: str, seed: int) -> float | None:
-        """Train one cell unless its export exists with the same command; its fit seconds."""
+        """Train one cell (``fit`` of ``Cells(run_dir)``) unless its export exists with the same command; its
+        fit seconds (None: it failed, recorded in ``failed``)."""
         path = self.work / "runs" / row / f"seed{seed}"
-        done = path / "fit.json"
         same = self.same(row, seed)
-        cached = read_json(done)
-        if all(cached.get(k) == v for k, v in same.items()) and self.export_of(row, seed).exists():
-            return cached["fit_s"]
-        (path / self.prefix).mkdir(parents=True, exist_ok=True)
-        for link, target in (
-            (path / "data", self.root / "data"),
-            (path / self.prefix / "sft", self.root / self.prefix / "sft"),
-            (path / "out" / "rm_init", self.root / "out" / "rm_init"),
-        ):
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.is_symlink():
-                link.symlink_to(target, target_is_directory=True)
-        try:
+
+        def train() -> dict:
+            (path / self.prefix).mkdir(parents=True, exist_ok=True)
+            for link, target in (
+                (path / "data", self.root / "data"),
+                (path / self.prefix / "sft", self.root / self.prefix / "sft"),
+                (path / "out" / "rm_init", self.root / "out" / "rm_init"),
+            ):
+                link.parent.mkdir(parents=True, exist_ok=True)
+                if not link.is_symlink():
+                    link.symlink_to(target, target_is_directory=True)
             fit_s = run_alignlit(f"{row} seed {seed}", self.fit_argv(row, seed), path, path / "fit.log")
+            self.measured.append(fit_s)
+            return {**same, "fit_s": fit_s}
+
+        try:
+            done = Cells(path).run(
+                "fit", train, spec=same, valid=lambda _: self.export_of(row, seed).exists()
+            )
         except RuntimeError as err:
             self.failed[f"{row}/seed{seed}"] = str(err)
             print(f"bench_reward_ablations: {row} seed {seed} FAILED: {err}", flush=True)
             return None
-        self.measured.append(fit_s)
-        done.write_text(json.dumps({**same, "fit_s": fit_s}, indent=1) + "\n")
-        return fit_s
+        return done["fit_s"]
 
     def cell(self, row: str, seed: int) -> dict | None:
-        """The evaluated cell (cached in ``eval.json``)."""
+        """The evaluated cell (``eval`` of ``Cells(run_dir)``, spec: what its fits were); None when a fit failed."""
+        path = self.work / "runs" / row / f"seed{seed}"
+        try:
+            return Cells(path).run("eval", lambda: self.evaluate(row, seed), spec=self.same(row, seed))
+        except FitFailed:
+            return None
+
+    def evaluate(self, row: str, seed: int) -> dict:
         from alignlit.models import RewardEnsemble, load_reward_model
 
         r = ROWS[row]
-        path = self.work / "runs" / row / f"seed{seed}"
-        cell_file = path / "eval.json"
-        same = self.same(row, seed)
-        cached = read_json(cell_file)
-        if all(cached.get(k) == v for k, v in same.items()):
-            return cached
         if r.members is not None:
             seeds = [member_seed(seed, j) for j in range(self.args.members)]
             fits = [self.fit(r.members, s) for s in seeds]
             if any(f is None for f in fits):
-                return None
+                raise FitFailed(row)
             reward = RewardEnsemble(
                 [str(self.export_of(r.members, s)) for s in seeds],
                 combine=r.combine,
@@ -435,37 +439,37 @@ class Runner:
         else:
             fit_s = self.fit(row, seed)
             if fit_s is None:
-                return None
+                raise FitFailed(row)
             export = self.export_of(row, seed)
             if r.config == "pairpref.yaml":
                 from alignlit.eval.score import evaluate_pairs
 
                 record = {k: evaluate_pairs(str(export), v, batch_size=self.args.batch_size, max_length=None)
                           for k, v in self.pairs.items()}  # fmt: skip
-                return self.write(cell_file, row, seed, fit_s, record, same)
+                return self.record(row, seed, fit_s, record)
             reward = load_reward_model(export, batch_size=self.args.batch_size)
         record = {k: evaluate(reward, v) for k, v in self.pairs.items()}
-        return self.write(cell_file, row, seed, fit_s, record, same)
+        return self.record(row, seed, fit_s, record)
 
-    def write(self, cell_file: Path, row: str, seed: int, fit_s: float, record: dict, same: dict) -> dict:
+    def record(self, row: str, seed: int, fit_s: float, record: dict) -> dict:
         record = {
             "row": row,
             "seed": seed,
             "command": command(row, self.configs, seed),
             "fit_s": fit_s,
             **record,
-            **same,
+            **self.same(row, seed),
         }
-        cell_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cell_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(cell_file)
         print(
             f"bench_reward_ablations: {row} seed {seed}: accuracy {record['gold_pairs']['accuracy']:.3f} "
             f"(gold pairs), {record['sample_pairs']['accuracy']:.3f} (sample pairs), fit {fit_s:.0f} s",
             flush=True,
         )
         return record
+
+
+class FitFailed(RuntimeError):
+    """A fit of the cell failed (recorded in :attr:`Runner.failed`): the cell is not evaluated."""
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -483,10 +487,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     root = work / "root"
 
     cells = [(row, seed) for row in args.rows for seed in args.seeds]
-    left = [(r, s) for r, s in cells if not (work / "runs" / r / f"seed{s}" / "eval.json").exists()]
-    shared = read_json(work / "shared.json")
+    left = [(r, s) for r, s in cells if not Cells(work / "runs" / r / f"seed{s}").path("eval").exists()]
+    shared_cells = Cells(work / "shared")
     steps = shared_steps(args, configs, prefix)
-    shared_left = [name for name, _ in steps if name not in shared]
+    shared_left = [name for name, _ in steps if not shared_cells.path(name).exists()]
     eta = sum(ESTIMATE_S[k] for k in shared_left) * scale + sum(
         estimate(r, scale, args.members) for r, _ in left
     )
@@ -500,32 +504,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
 
     root.mkdir(parents=True, exist_ok=True)
-    if args.report:
-        steps = []  # the shared stages as they are
-    redo = False  # a stage that ran makes every later one run again (they start from its result)
-    for name, step in steps:
-        if not redo and name in shared:
-            continue
-        redo = True
-        print(f"bench_reward_ablations: shared stage {name}", flush=True)
-        if step is None:
-            start = time.perf_counter()
-            python_step(name, root, prefix)
-            shared[name] = time.perf_counter() - start
-        else:
-            shared[name] = run_alignlit(name, step, root, work / "logs" / f"{name}.log")
-        shared["stamp"] = time.time()
-        (work / "shared.json").write_text(json.dumps(shared, indent=1) + "\n")
+    shared: dict = {"stamp": None}
+    # each shared stage a cell after the one before it: a stage that ran makes every later one run again;
+    # --report reads them as they are
+    for name, step in [] if args.report else steps:
+
+        def stage(name=name, step=step) -> dict:
+            print(f"bench_reward_ablations: shared stage {name}", flush=True)
+            if step is None:
+                start = time.perf_counter()
+                python_step(name, root, prefix)
+                return {"s": time.perf_counter() - start, "stamp": time.time()}
+            return {"s": run_alignlit(name, step, root, work / "logs" / f"{name}.log"), "stamp": time.time()}
+
+        done = shared_cells.run(name, stage, spec={"step": step, "after": shared["stamp"]})
+        shared[name], shared["stamp"] = done["s"], done["stamp"]
+    for name, _ in steps if args.report else []:
+        if shared_cells.path(name).exists():
+            done = json.loads(shared_cells.path(name).read_text())["result"]
+            shared[name], shared["stamp"] = done["s"], done["stamp"]
 
     runner = Runner(args, configs, work, prefix, shared["stamp"])
     runner.load_pairs()
     records: dict[str, list[dict]] = {}
     for i, (row, seed) in enumerate(cells):
-        if args.report:
-            cached = read_json(work / "runs" / row / f"seed{seed}" / "eval.json")
-            if not all(cached.get(k) == v for k, v in runner.same(row, seed).items()):
-                runner.failed[f"{row}/seed{seed}"] = "not evaluated yet (--report)"
-                continue
+        if (
+            args.report
+            and Cells(work / "runs" / row / f"seed{seed}").get("eval", runner.same(row, seed)) is None
+        ):
+            runner.failed[f"{row}/seed{seed}"] = "not evaluated yet (--report)"
+            continue
         record = runner.cell(row, seed)
         if record is not None:
             records.setdefault(row, []).append(record)

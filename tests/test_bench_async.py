@@ -1,7 +1,6 @@
 """bench_async's table (speed-ups, overlap ceiling, staleness histogram) and its ``--collect`` of finished runs,
 on hand-made run records."""
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import Cells  # noqa: E402
 from harness import async_runs as bench_async  # noqa: E402
 
 PHASES = dict.fromkeys(bench_async.PHASES, 0.0)
@@ -48,11 +48,10 @@ def test_table_speedups_ceiling_and_histogram():
 
 def test_collect_takes_the_evaluated_runs_of_the_asked_size(tmp_path):
     def write(name, rec, evaluation):
-        run = tmp_path / name
-        run.mkdir()
-        (run / "run.json").write_text(json.dumps({k: v for k, v in rec.items() if k != "eval"}))
+        cells = Cells(tmp_path / name)  # the cells bench_async's fit and evaluate leave
+        cells.run("fit", lambda: {k: v for k, v in rec.items() if k != "eval"}, spec={"argv": [name]})
         if evaluation is not None:
-            (run / "eval_test.json").write_text(json.dumps(evaluation))
+            cells.run("eval_test", lambda: evaluation, spec={"prompts": evaluation["prompts"]})
 
     evaluation = {"prompts": 50, "gold": 0.5, "kl_to_reference": 0.2}
     write("grpo-hf-k0-s0", record(0, 0, 100.0), evaluation)

@@ -144,10 +144,7 @@ def test_paper_stages_are_made_once_in_order(tmp_path):
         harness.prepare(stages, run=ran.append, make=False, hint="run --prepare")
 
 
-def test_json_records_are_atomic_and_cached_per_spec(tmp_path):
-    harness.write_json(tmp_path / "a" / "cell.json", {"gold": 1.0})
-    assert harness.read_json(tmp_path / "a" / "cell.json") == {"gold": 1.0}
-    assert harness.read_json(tmp_path / "none.json") == {} and not list(tmp_path.rglob("*.tmp"))
+def test_cached_results_are_cells_computed_per_spec(tmp_path):
     calls = []
     make = lambda x: calls.append(x) or {"x": x}  # noqa: E731
     assert (

@@ -197,6 +197,14 @@ class Cells:
         record = json.loads(path.read_text())
         return record["result"] if record.get("spec") == _jsonable(spec) else None
 
+    def latest(self, key: str):
+        """The stored result of ``key`` whatever ``spec`` it was computed with (``None`` if there is none): what
+        a report of finished cells reads."""
+        import json
+
+        path = self.path(key)
+        return json.loads(path.read_text())["result"] if path.exists() else None
+
     def run(self, key: str, compute, spec=None, valid=None):
         """``compute()``'s result for ``key``, computed once per ``spec`` (JSON-serialisable); with ``valid``,
         a cached result is used only if ``valid(result)`` (e.g. the files it names still exist)."""
@@ -461,23 +469,6 @@ def run_alignlit(name: str, argv: list[str], cwd: Path, log: Path, env: dict | N
         tail = log.read_text().splitlines()[-15:]
         raise RuntimeError(f"{name} failed (exit {proc.returncode}; log {log}):\n" + "\n".join(tail))
     return elapsed
-
-
-def read_json(path: Path) -> dict:
-    """The JSON record at ``path``, or ``{}`` when there is none yet."""
-    import json
-
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def write_json(path: Path, record, indent: int | None = None) -> None:
-    """A JSON record written to a temporary sibling and renamed into place (never half-written)."""
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=indent) + "\n")
-    tmp.replace(path)
 
 
 def cached(path: Path, make, *make_args, spec=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness import mean_std, pm, read_json
+from harness import Cells, mean_std, pm
 
 PHASES = {
     "rollout_s": "time/rollout_s", "train_s": "time/train_s", "generate_s": "rollout/generate_s",
@@ -141,11 +141,11 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def collect(args) -> list[dict]:
-    """The finished runs under ``--work`` (``run.json`` and its ``eval_test.json``) that ``--collect`` tabulates."""
+    """The finished runs under ``--work`` (each run folder's ``fit`` cell and its ``eval_test`` cell) that
+    ``--collect`` tabulates."""
     records = []
-    for run_file in sorted(Path(args.work).glob("*/run.json")):
-        record = read_json(run_file)
-        evaluation = read_json(run_file.parent / "eval_test.json")
+    for run in sorted(path.parent.parent for path in Path(args.work).glob("*/cells/fit.json")):
+        record, evaluation = Cells(run).latest("fit"), Cells(run).latest("eval_test") or {}
         if (
             record.get("rollouts") == args.rollouts
             and record.get("stage") in args.stages

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import (  # benchmarks/ is on sys.path when a script runs
+    Cells,
     mean_std,
     pm,
-    read_json,
     run_alignlit,
 )
 from harness import quality as bq
@@ -114,8 +114,6 @@ class ClaimsBench(bq.Bench):
 
     def shared_extra(self) -> dict:
         """The oracle-ranked samples and the unbalanced reward model (after :meth:`shared`)."""
-        done_file = self.work / "shared_extra.json"
-        times = read_json(done_file)
         reward = [
             *self.fit_args("reward.yaml", 0),
             "--data.init_args.length_balance=false",
@@ -129,30 +127,39 @@ class ClaimsBench(bq.Bench):
             ),
             ("reward-unbalanced", reward, self.extra / "reward-unbalanced" / "alignlit.json"),
         ]
+        times = {}
         for name, argv, result in steps:
-            if times.get(name, {}).get("stamp") == self.shared_stamp and result.exists():
-                continue
-            print(f"bench_claims: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
-            elapsed = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
-            times[name] = {"s": elapsed, "stamp": self.shared_stamp}
-            done_file.write_text(json.dumps(times, indent=1) + "\n")
+
+            def stage(name=name, argv=argv) -> dict:
+                print(f"bench_claims: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
+                return {"s": run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")}
+
+            spec = {"argv": argv, "after": self.shared_stamp}
+            done = self.shared_cells.run(name, stage, spec=spec, valid=lambda _, r=result: r.exists())
+            times[name] = {"s": done["s"], "stamp": self.shared_stamp}
         return times
 
     # evaluation with the proxy reward
 
     def evaluate_policy_dir(self, policy_dir: Path | None, seed: int, cell_file: Path, stamp: float) -> dict:
         """Gold, proxy (the reward model's score), KL to SFT and length of ``policy_dir`` (None: the SFT
-        policy) on the test prompts, cached in ``cell_file`` for the policy finished at ``stamp``."""
+        policy) on the test prompts: the cell ``cell_file.stem`` of ``Cells(cell_file.parent)``, computed once for
+        the policy finished at ``stamp`` and the prompt count."""
+        prompts = self.prompts("test")
+        return Cells(cell_file.parent).run(
+            cell_file.stem,
+            lambda: self.evaluate_now(policy_dir, seed, stamp, prompts),
+            spec={"stamp": stamp, "prompts": len(prompts)},
+        )
+
+    def evaluate_now(self, policy_dir: Path | None, seed: int, stamp: float, prompts: list[str]) -> dict:
+        """:meth:`evaluate_policy_dir`'s computation."""
         from alignlit.eval.gold import evaluate_policy
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
         from alignlit.rollout.reward_protocol import resolve_reward, score_texts
         from alignlit.sim import load_sim
 
-        prompts = self.prompts("test")
-        cached = read_json(cell_file)
-        if cached.get("stamp") == stamp and cached.get("prompts") == len(prompts):
-            return cached
         task, _ = load_sim(self.root / "data" / "sim")
         rm = resolve_reward(str(self.root / self.prefix / "reward"), batch_size=256)
         proxy: list[float] = []
@@ -184,7 +191,6 @@ class ClaimsBench(bq.Bench):
             "eval_s": time.perf_counter() - start,
             "stamp": stamp,
         }
-        bq.write_cell(cell_file, record)
         return record
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import (
+    Cells,
     config_args,
     config_sha256,
     config_stack,
@@ -21,9 +22,7 @@ from harness import (
     mean_std,
     pm,
     read_config,
-    read_json,
     run_alignlit,
-    write_json,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,13 +338,14 @@ class Bench:
         self.shared_stamp: float | None = None  # when the shared stages last changed
         self.scale = 0.1 if args.tiny else (0.35 if self.configs.name == "quickstart" else 1.0)
         self.suite = SUITES[args.suite]
+        self.shared_cells = Cells(self.work / "shared")
 
     # shared stages: data, SFT, reward model, ranked samples
 
     def shared(self) -> dict:
-        """Run the shared stages that have no result yet; returns their wall times."""
-        done_file = self.work / "shared.json"
-        times = json.loads(done_file.read_text()) if done_file.exists() else {}
+        """Run the shared stages that have no result yet, each a cell of ``Cells(work/shared)`` whose spec is
+        its command and the stamp of the stage before it (a stage that ran makes every later one run again:
+        they start from its result); returns their wall times and ``stamp``, when the last one finished."""
         out = self.root / self.prefix
         sim = self.root / "data" / "sim"
         steps = [
@@ -364,19 +364,29 @@ class Bench:
         ]
         steps = [step for step in steps if step[0] in self.suite.shared]
         self.root.mkdir(parents=True, exist_ok=True)
-        redo = False  # a stage that ran makes every later one run again (they start from its result)
+        times: dict = {"stamp": None}
         for name, argv, result in steps:
-            if not redo and name in times and result.exists():
-                continue
-            redo = True
-            print(f"bench_quality: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
-            times[name] = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
-            times["stamp"] = time.time()  # the SFT policy and reward model the cells were evaluated with
-            self.measured.setdefault(name, []).append(times[name])
-            done_file.write_text(json.dumps(times, indent=1) + "\n")
-            print(f"bench_quality: shared stage {name}: {times[name]:.0f} s", flush=True)
+
+            def stage(name=name, argv=argv) -> dict:
+                print(f"bench_quality: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
+                seconds = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
+                self.measured.setdefault(name, []).append(seconds)
+                print(f"bench_quality: shared stage {name}: {seconds:.0f} s", flush=True)
+                return {"s": seconds, "stamp": time.time()}
+
+            done = self.shared_cells.run(
+                name,
+                stage,
+                spec={"argv": argv, "after": times["stamp"]},
+                valid=lambda _, r=result: r.exists(),
+            )
+            times[name], times["stamp"] = done["s"], done["stamp"]
         self.shared_stamp = times["stamp"]
         return times
+
+    def shared_left(self) -> list[str]:
+        """The shared stages of the suite without a finished cell (what :meth:`shared` would run at least)."""
+        return [k for k in self.suite.shared if not self.shared_cells.path(k).exists()]
 
     def sample_args(self, name: str, scorer: str, *, rft: bool = False, sim: bool = False) -> list[str]:
         """``alignlit sample`` of 4 SFT samples per training prompt (seed 0), ranked by ``scorer``, into
@@ -425,22 +435,24 @@ class Bench:
                 link.symlink_to(target, target_is_directory=True)
 
     def fit(self, method: Method, setting: dict, seed: int) -> tuple[Path, dict]:
-        """Train one run, unless a finished run with the same command line, config text and shared
-        stages exists; returns its export directory and its record (``fit_s``, ``argv``,
+        """Train one run (a cell of ``Cells(run_dir)``), unless a finished run with the same command line,
+        config text and shared stages exists and its export is complete; returns its export directory and its record (``fit_s``, ``argv``,
         ``config_sha256``, ``shared_stamp``, ``stamp``: when it finished)."""
         export = get_key(read_config(method.config, self.configs), "model.init_args.export_dir")
         path = self.run_dir(method.name, setting, seed)
         argv = self.fit_args(method.config, seed, self.own_setting(method.name, setting))
         sha = config_sha256(method.config, self.configs)
-        done = read_json(path / "fit.json")
         same = {"argv": argv, "config_sha256": sha, "shared_stamp": self.shared_stamp}
-        if all(done.get(k) == v for k, v in same.items()) and (path / export / "alignlit.json").exists():
-            return path / export, done
-        self.prepare_run_dir(path)
-        elapsed = run_alignlit(f"{method.name} {slug(setting)} seed {seed}", argv, path, path / "fit.log")
-        done = {"fit_s": elapsed, **same, "stamp": time.time()}
-        (path / "fit.json").write_text(json.dumps(done, indent=1) + "\n")
-        self.measured.setdefault(method.name, []).append(elapsed)
+
+        def train() -> dict:
+            self.prepare_run_dir(path)
+            elapsed = run_alignlit(f"{method.name} {slug(setting)} seed {seed}", argv, path, path / "fit.log")
+            self.measured.setdefault(method.name, []).append(elapsed)
+            return {"fit_s": elapsed, **same, "stamp": time.time()}
+
+        done = Cells(path).run(
+            "fit", train, spec=same, valid=lambda _: (path / export / "alignlit.json").exists()
+        )
         return path / export, done
 
     # evaluation
@@ -455,19 +467,23 @@ class Bench:
     def evaluate(
         self, method: Method, setting: dict, seed: int, split: str, policy_dir: Path | None, stamp: float
     ) -> dict:
-        """Evaluate one cell, unless its JSON exists for the same policy (``stamp``: when the policy's run
-        finished) and prompt count; returns the cell's record."""
+        """Evaluate one cell (``eval_<split>`` of ``Cells(run_dir)``), unless it was evaluated for the same
+        policy (``stamp``: when the policy's run finished) and prompt count; returns the cell's record."""
+        prompts = self.prompts(split)
+        return Cells(self.run_dir(method.name, setting, seed)).run(
+            f"eval_{split}",
+            lambda: self.evaluate_now(method, setting, seed, split, policy_dir, stamp, prompts),
+            spec={"stamp": stamp, "prompts": len(prompts)},
+        )
+
+    def evaluate_now(self, method, setting, seed, split, policy_dir, stamp, prompts) -> dict:
+        """:meth:`evaluate`'s computation: gold (and KL to SFT) of the policy, or best-of-n of SFT."""
         from alignlit.eval.gold import best_of_n, evaluate_policy
         from alignlit.eval.score import rm_selector
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
         from alignlit.sim import load_sim
 
-        cell_file = self.run_dir(method.name, setting, seed) / f"eval_{split}.json"
-        prompts = self.prompts(split)
-        cached = read_json(cell_file)
-        if cached.get("stamp") == stamp and cached.get("prompts") == len(prompts):
-            return cached
         task, _ = load_sim(self.root / "data" / "sim")
         sampling = SamplingParams(temperature=1.0, max_new_tokens=self.args.max_new_tokens, seed=seed)
         sft_dir = self.root / self.prefix / "sft"
@@ -501,7 +517,6 @@ class Bench:
             "eval_s": eval_s,
             "stamp": stamp,
         }
-        write_json(cell_file, record)
         return record
 
     # the whole benchmark
