@@ -24,8 +24,8 @@ Claims (``CLAIMS``):
   shared samples) and PPO-max against a reward model trained without length balancing, each against
   PPO-max as shipped; both reward models' accuracy against gold preferences (``pairs_gold_val``).
 
-Writes ``<results>/claims.{json,md}`` and ``claims_overopt.png``. Cells are cached under ``--work`` like
-``bench_quality.py`` (a rerun skips finished runs and evaluations).
+Writes ``<results>/claims.{json,md}`` and ``claims_overopt.png``. Every shared stage, run and evaluation is
+a cell under ``--work/cells`` like ``bench_quality.py``'s (a rerun reads back the unchanged ones).
 
     python benchmarks/bench_claims.py --work out/bench_claims
     python benchmarks/bench_claims.py --claims overopt --seeds 0      # one claim, one seed
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"bench_claims: prompt filter ε = {epsilon:.4g} ({filter_report})", flush=True)
 
     sft_records = {
-        s: bench.evaluate_policy_dir(
-            None, s, bench.work / "runs" / "sft" / f"seed{s}" / "eval_test.json", shared["stamp"]
-        )
-        for s in args.seeds
+        s: bench.evaluate_policy_dir(None, s, f"eval-sft-seed{s}", shared["stamp"]) for s in args.seeds
     }
     sft_row = {
         "claim": "all",
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             for s in args.seeds:
                 export, run = bench.fit(method, setting, s)
                 run_dir = bench.run_dir(arm.name, setting, s)
-                rec = bench.evaluate_policy_dir(export, s, run_dir / "eval_test.json", run["stamp"])
+                rec = bench.evaluate_policy_dir(export, s, f"eval-{arm.name}-seed{s}", run["stamp"])
                 rec["wall_s"] = run["fit_s"]
                 kept = re.search(
                     r"prompt filter kept (\d+) of (\d+) prompts", (run_dir / "fit.log").read_text()
@@ -119,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                     ]
                     last = {r["batch"]: r for r in index}  # a rerun appends: the last line of each batch
                     for batch, snap in sorted(last.items()):
-                        cell = run_dir / "snapshots" / f"eval_test_{batch:05d}.json"
-                        srec = bench.evaluate_policy_dir(run_dir / snap["path"], s, cell, run["stamp"])
+                        key = f"eval-{arm.name}-seed{s}-snapshot{batch:05d}"
+                        srec = bench.evaluate_policy_dir(run_dir / snap["path"], s, key, run["stamp"])
                         srec["fit_s"] = snap["fit_s"]
                         points.setdefault(batch, []).append(srec)
                     points.setdefault(0, []).append(sft_records[s])

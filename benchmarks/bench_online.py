@@ -21,7 +21,9 @@ the RM's per-prompt reward-length correlation (RLHF-Workflow Fig. 5), and the wa
 training (sampling and scoring included). Online DPO is also evaluated after every iteration (gold per
 iteration, the curve). ``λ`` is chosen by the last ``val/gold`` each run logs on ``--val-prompts``
 prompts of prompts_val. Prints a Markdown table and writes ``benchmarks/results/<name>.{md,json,png}``;
-finished runs are reused when their command is unchanged, so an interrupted benchmark continues.
+finished runs are reused when their command is unchanged (``harness.fit_once``), and the SFT samples of the
+offline arms and every evaluation are cells under ``--out/cells`` (``harness.Cells``, read back while what
+they read is unchanged), so an interrupted benchmark continues.
 
 Needs data/sim, out/paper/sft and out/paper/reward; ``--prepare`` creates the missing ones with
 the paper-scale commands (``alignlit sim make-data --out data/sim``, ``alignlit fit --config
@@ -34,6 +36,8 @@ configs/paper/sft.yaml``, ``alignlit fit --config configs/quickstart/reward.yaml
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import sys
 import time
@@ -44,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Cells, config_args, fit_once, paper_stages, write_results
 from harness import prepare as harness_prepare
+from harness.quality import cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -163,14 +168,16 @@ def online_rrhf(args) -> dict:
 
 
 def sft_samples(args, prompts: list[str]) -> tuple[list, float]:
-    """``--n`` scored samples of the SFT policy per prompt (seed 0), written as ranked JSONL once."""
+    """``--n`` scored samples of the SFT policy per prompt (seed 0), written as ranked JSONL: the cell
+    ``sft-samples``, read back for the same policy, reward model, ``--n`` and prompts."""
     from alignlit.data.pairs_from_rm import read_ranked, write_jsonl
     from alignlit.models import load_policy, load_reward_model
     from alignlit.rollout import SamplingParams
     from alignlit.rollout.sampling import sample_ranked
 
     out = Path(args.out) / "offline" / "ranked.jsonl"
-    spec = {"sft": args.sft, "rm": args.reward_model, "n": args.n, "prompts": prompts}
+    digest = hashlib.sha256("\0".join(prompts).encode()).hexdigest()
+    spec = {"sft": args.sft, "rm": args.reward_model, "n": args.n, "sampling": SAMPLING, "prompts": digest}
 
     def sample() -> dict:
         start = time.perf_counter()
@@ -181,10 +188,10 @@ def sft_samples(args, prompts: list[str]) -> tuple[list, float]:
             scorer=lambda p, r: rm.score(p, r).tolist(), batch_size=128,
         )  # fmt: skip
         write_jsonl([g.to_record() for g in groups], out)
-        return {"seconds": time.perf_counter() - start}
+        return {"seconds": time.perf_counter() - start, "groups": len(groups)}
 
-    done = Cells(out.parent).run("ranked", sample, spec=spec, valid=lambda _: out.exists())
-    return read_ranked(out), done["seconds"]
+    record = cell(Cells(args.out), "sft-samples", sample, spec, out)
+    return read_ranked(out), record["seconds"]
 
 
 def offline_dpo(args, groups, sample_s: float, penalty: float, steps: int) -> dict:
@@ -212,17 +219,41 @@ def offline_rrhf(args, sample_s: float, steps: int) -> dict:
 
 
 class Evaluator:
-    """Gold, KL to the SFT policy, length and the RM's reward-length correlation on fixed prompts."""
+    """Gold, KL to the SFT policy, length and the RM's reward-length correlation on fixed prompts; each
+    evaluation a cell (:meth:`cell`) under ``--out``, the models loaded only when one is computed."""
 
     def __init__(self, args, prompts: list[str]):
-        from alignlit.models import load_policy, load_reward_model
+        self.args, self.prompts = args, prompts
+        self.cells = Cells(args.out)
+        exported = {p: (Path(p) / "config.json").stat().st_mtime for p in (args.sft, args.reward_model)}
+        self.spec = {"sim": args.sim, "sft": args.sft, "rm": args.reward_model, "exported": exported,
+                     "prompts": len(prompts), "eval_samples": args.eval_samples, "sampling": SAMPLING}  # fmt: skip
+
+    def cell(self, key: str, compute, **spec) -> dict:
+        """``compute()``'s evaluation, read back while the prompts, models and ``spec`` are unchanged."""
+        return self.cells.run(key, compute, {**self.spec, **spec})
+
+    @functools.cached_property
+    def task(self):
         from alignlit.sim import load_sim
 
-        self.args, self.prompts = args, prompts
-        self.task = load_sim(args.sim)[0]
-        self.reference, self.tokenizer = load_policy(args.sft)
-        self.reference.eval()
-        self.rm = load_reward_model(args.reward_model, batch_size=128)
+        return load_sim(self.args.sim)[0]
+
+    @functools.cached_property
+    def sft(self) -> tuple:
+        from alignlit.models import load_policy
+
+        policy, tokenizer = load_policy(self.args.sft)
+        return policy.eval(), tokenizer
+
+    reference = property(lambda self: self.sft[0])
+    tokenizer = property(lambda self: self.sft[1])
+
+    @functools.cached_property
+    def rm(self):
+        from alignlit.models import load_reward_model
+
+        return load_reward_model(self.args.reward_model, batch_size=128)
 
     def policy(self, path: str, checkpoint: str | None = None):
         from alignlit.models import load_policy
@@ -308,15 +339,19 @@ def main(argv: list[str] | None = None) -> dict:
     prepare(args)
     test = [parse_prompt(r) for r in read_records(Path(args.sim) / "prompts_test.jsonl")][: args.n_prompts]
     evaluate = Evaluator(args, test)
-    sft = evaluate(evaluate.reference)
+    sft = evaluate.cell("eval-sft", lambda: evaluate(evaluate.reference))
     rows: dict[str, dict] = {"sft": {**sft, "setting": "", "fit_s": None}}
     curves: dict[str, list[dict]] = {}
     runs: dict[str, dict] = {}
     if "best-of-n" in args.arms:
-        rows[f"best-of-{args.n} (RM)"] = evaluate.best_of_n()
+        rows[f"best-of-{args.n} (RM)"] = evaluate.cell("eval-best-of-n", evaluate.best_of_n, n=args.n)
 
     def report(arm: str, run: dict, setting: str = "") -> None:
-        rows[arm] = {**evaluate(evaluate.policy(run["policy"])), "setting": setting, "fit_s": run["fit_s"]}
+        at = (Path(run["policy"]) / "config.json").stat().st_mtime  # a policy exported again: evaluated again
+        result = evaluate.cell(
+            f"eval-{arm}", lambda: evaluate(evaluate.policy(run["policy"])), trained=run["argv"], at=at
+        )
+        rows[arm] = {**result, "setting": setting, "fit_s": run["fit_s"]}
         rows[arm]["pairs"] = int(run["pairs"]) if "pairs" in run else ""
         runs[arm] = {k: v for k, v in run.items() if k != "history"}
         print(format_table(rows), flush=True)
@@ -324,7 +359,10 @@ def main(argv: list[str] | None = None) -> dict:
     def per_iteration(arm: str, run: dict) -> None:
         curve = [{"rollout": 0.0, **{f"test/{k}": v for k, v in sft.items() if v is not None}}]
         for t, (path, _) in sorted(run["checkpoints"].items()):
-            result = evaluate(evaluate.policy(args.sft, path))
+            result = evaluate.cell(
+                f"eval-{arm}-rollout{int(t)}", lambda p=path: evaluate(evaluate.policy(args.sft, p)),
+                trained=run["argv"], checkpoint=path, at=Path(path).stat().st_mtime,
+            )  # fmt: skip
             curve.append(
                 {"rollout": float(t), **{f"test/{k}": v for k, v in result.items() if v is not None}}
             )

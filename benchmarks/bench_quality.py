@@ -32,9 +32,10 @@ Protocol:
    method's own stage (its ``alignlit fit`` process; best-of-n: sampling and selection; SFT: its fit).
 
 Writes ``<results>/quality.{json,md}``, ``quality_selection.md`` (every validation cell) and
-``quality_frontier.png`` (gold against KL for every row). Every cell (one training run, one evaluation)
-leaves its result JSON under ``--work``; a rerun skips the cells whose JSON exists, so an interrupted run
-continues where it stopped. The planned cells and an ETA are printed first, and after every cell.
+``quality_frontier.png`` (gold against KL for every row). Every shared stage, training run and evaluation
+is a cell under ``--work/cells`` (``harness.Cells``): a rerun reads back the cells whose command, config
+and inputs are unchanged, so an interrupted run continues where it stopped. The planned cells and an ETA
+are printed first, and after every cell.
 
     python benchmarks/bench_quality.py                        # the full benchmark (paper-scale configs)
     python benchmarks/bench_quality.py --plan                 # only print the plan and the ETA

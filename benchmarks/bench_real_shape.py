@@ -35,7 +35,9 @@ including setup) and the peak RSS sampled every 20 ms within each phase; the tor
 allocation peak is not measured (profiling every allocation of a multi-minute step costs too much).
 
 Writes ``benchmarks/results/real_shape.{md,json}`` (``--tiny``: ``real_shape_tiny.*``) with the command,
-machine, commit, date and the load average at start and end.
+machine, commit, date and the load average at start and end. The model, the length table and the step are
+cells (``harness.Cells``) under ``--work`` (default ``out/bench/real_shape[_tiny]``), read back for the same
+settings and code (``harness.code_stamp``), so a cut run resumes and a rerun only writes the results.
 
     python benchmarks/bench_real_shape.py                 # the real shape, HF engine
     python benchmarks/bench_real_shape.py --tiny          # seconds: 2 layers, small vocabulary, 2 x 2 x 8
@@ -50,6 +52,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
 import datetime
+import functools
 import gzip
 import importlib.util
 import json
@@ -66,7 +69,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import GSM8K, QWEN, commit, hash_reward, machine, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    GSM8K,
+    QWEN,
+    code_stamp,
+    commit,
+    hash_reward,
+    machine,
+    measurement_cells,
+    write_results,
+)
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer after '####'."
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -385,6 +397,7 @@ def main() -> None:
     parser.add_argument("--length-rows", type=int, default=None, help="GSM8K rows for the length table")
     parser.add_argument("--reward", choices=("math_verify", "hash"), default="math_verify")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--work", default=None, help="the cells (default: out/bench/real_shape[_tiny])")
     args = parser.parse_args()
     for name, real, tiny in (
         ("layers", 4, 2), ("prompts", 8, 2), ("samples", 8, 2), ("new_tokens", 256, 8), ("bpe_vocab", 32000, 512),
@@ -399,15 +412,40 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
     load_start, started = os.getloadavg(), datetime.datetime.now(datetime.UTC)
-    rows = gsm8k_rows()
-    tokenizer = train_tokenizer(rows[:200] if args.tiny else rows, args.bpe_vocab)
+    name = "real_shape_tiny" if args.tiny else "real_shape"
+    config = {k: v for k, v in vars(args).items() if k != "work"}
+    settings = {k: v for k, v in config.items() if k != "out_dir"}
+    cells, spec = measurement_cells(name, args.work), {"config": settings, "code": code_stamp()}
     with tempfile.TemporaryDirectory(prefix="alignlit-real-shape-") as tmp:
-        policy, shape = build_policy(Path(tmp), tokenizer, args)
-        lengths = length_stats(policy, tokenizer, rows[: args.length_rows] if args.length_rows else rows)
+
+        @functools.cache
+        def built() -> tuple:
+            """The GSM8K rows, the tokenizer trained on them and the random-weight policy (made once)."""
+            rows = gsm8k_rows()
+            tokenizer = train_tokenizer(rows[:200] if args.tiny else rows, args.bpe_vocab)
+            policy, shape = build_policy(Path(tmp), tokenizer, args)
+            return rows, tokenizer, policy, shape
+
+        def lengths() -> dict:
+            rows, tokenizer, policy, _ = built()
+            return length_stats(policy, tokenizer, rows[: args.length_rows] if args.length_rows else rows)
+
+        def step() -> dict:
+            _, tokenizer, policy, _ = built()
+            result = run_step(policy, tokenizer, args)
+            return {
+                **result,
+                "process_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+
+        model = cells.run("model", lambda: {"shape": built()[3], "tokenizer_ids": len(built()[1])}, spec)
+        shape, tokenizer_ids = model["shape"], model["tokenizer_ids"]
         print(
-            f"model {shape['parameters'] / 1e6:.0f} M parameters; tokenizer {len(tokenizer)} ids", flush=True
+            f"model {shape['parameters'] / 1e6:.0f} M parameters; tokenizer {tokenizer_ids} ids", flush=True
         )
-        hf = run_step(policy, tokenizer, args)
+        lengths = cells.run("lengths", lengths, spec)
+        hf = dict(cells.run("step-hf", step, spec))
+    peak_rss_mb = hf.pop("process_peak_rss_mb")  # the process's peak at the end of the step
     vllm_env = REPO / ".nox" / "vllm" / "bin" / "python"
     result = {
         "benchmark": "real_shape",
@@ -418,10 +456,10 @@ def main() -> None:
         "machine": {**machine(), **machine_extras()},
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "config": vars(args),
+        "config": config,
         "model": shape,
         "tokenizer": {
-            "ids": len(tokenizer),
+            "ids": tokenizer_ids,
             "note": "byte-level BPE trained here on GSM8K train (Qwen's tokenizer is not available offline); "
             "sampling masks the logits of ids >= len(tokenizer) and of EOS",
         },
@@ -435,7 +473,7 @@ def main() -> None:
         },
         "lengths": lengths,
         "memory": {
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "peak_rss_mb": peak_rss_mb,
             "torch_profiler": "torch profiler allocation peak: not measured (too costly over a multi-minute step).",
         },
         "engines": {
@@ -450,7 +488,6 @@ def main() -> None:
             },
         },
     }
-    name = "real_shape_tiny" if args.tiny else "real_shape"
     paths = write_results(
         name, result, command=result["command"], table=markdown(result), results_dir=args.out_dir
     )

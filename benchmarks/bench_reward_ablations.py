@@ -34,8 +34,9 @@ noise-free gold labels; what the stages log as ``val/accuracy``), accuracy again
 SFT policy's own samples (2 per ``prompts_test`` prompt, labelled by gold, ties dropped: the pairs a
 reward model judges during RLHF; used for this report only), the reward/length Pearson correlation on
 the gold pairs, wall time of the fit (an ensemble: its members'); mean ± std over seeds. Writes
-``<results>/reward_ablations.{json,md}``. Every (row, seed) cell leaves a JSON under ``--work``; a rerun
-skips the cells whose JSON matches the row's command.
+``<results>/reward_ablations.{json,md}``. Every shared stage, fit and (row, seed) evaluation is a cell
+under ``--work/cells`` (``harness.Cells``); a rerun reads back the cells whose command, config and shared
+stages are unchanged.
 
     python benchmarks/bench_reward_ablations.py --configs configs/quickstart   # seeds 0 1 2
     python benchmarks/bench_reward_ablations.py --plan        # the planned cells and the ETA
@@ -45,7 +46,6 @@ skips the cells whose JSON matches the row's command.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -65,7 +65,7 @@ from harness import (
     run_alignlit,
     write_results,
 )
-from harness.quality import ROOT, TINY_DATA, fit_command, out_prefix
+from harness.quality import ROOT, TINY_DATA, cell, fit_command, out_prefix, stage_cells
 
 
 @dataclass(frozen=True)
@@ -339,13 +339,18 @@ def evaluate(reward, records: list) -> dict[str, float]:
     }
 
 
+class FitFailed(Exception):
+    """A cell's fit failed (recorded in ``Runner.failed``): the cell has no result."""
+
+
 class Runner:
     """Fits cells (``(row, seed)``) under ``work/runs``, each in its own directory linked to the shared
     stages, and evaluates them."""
 
-    def __init__(self, args, configs: Path, work: Path, prefix: str, stamp: float):
+    def __init__(self, args, configs: Path, work: Path, prefix: str, stamp: float | None):
         self.args, self.configs, self.work, self.prefix, self.stamp = args, configs, work, prefix, stamp
         self.root = work / "root"
+        self.cells = Cells(work)  # fit-<row>-seed<n> and eval-<row>-seed<n>, read back while their spec holds
         self.failed: dict[str, str] = {}
         self.measured: list[float] = []
         self.pairs: dict[str, list] = {}
@@ -383,10 +388,9 @@ class Runner:
         return path / get_key(read_config(r.config, self.configs), "model.init_args.export_dir")
 
     def fit(self, row: str, seed: int) -> float | None:
-        """Train one cell (``fit`` of ``Cells(run_dir)``) unless its export exists with the same command; its
-        fit seconds (None: it failed, recorded in ``failed``)."""
+        """A training cell: one fit, read back while its command, config and shared stages are unchanged
+        and its export is there; its fit seconds (None: it failed)."""
         path = self.work / "runs" / row / f"seed{seed}"
-        same = self.same(row, seed)
 
         def train() -> dict:
             (path / self.prefix).mkdir(parents=True, exist_ok=True)
@@ -400,11 +404,11 @@ class Runner:
                     link.symlink_to(target, target_is_directory=True)
             fit_s = run_alignlit(f"{row} seed {seed}", self.fit_argv(row, seed), path, path / "fit.log")
             self.measured.append(fit_s)
-            return {**same, "fit_s": fit_s}
+            return {"fit_s": fit_s}
 
         try:
-            done = Cells(path).run(
-                "fit", train, spec=same, valid=lambda _: self.export_of(row, seed).exists()
+            done = cell(
+                self.cells, f"fit-{row}-seed{seed}", train, self.same(row, seed), self.export_of(row, seed)
             )
         except RuntimeError as err:
             self.failed[f"{row}/seed{seed}"] = str(err)
@@ -412,15 +416,22 @@ class Runner:
             return None
         return done["fit_s"]
 
+    def evaluated(self, row: str, seed: int) -> dict | None:
+        """The evaluation cell of ``(row, seed)`` if it is there for the current fits, else None."""
+        return self.cells.get(f"eval-{row}-seed{seed}", self.same(row, seed))
+
     def cell(self, row: str, seed: int) -> dict | None:
-        """The evaluated cell (``eval`` of ``Cells(run_dir)``, spec: what its fits were); None when a fit failed."""
-        path = self.work / "runs" / row / f"seed{seed}"
+        """The evaluation cell: the row's fit (or its members' fits) and its accuracy on both pair sets,
+        read back while the fits' commands, configs and shared stages are unchanged (None: a fit failed)."""
         try:
-            return Cells(path).run("eval", lambda: self.evaluate(row, seed), spec=self.same(row, seed))
+            return self.cells.run(
+                f"eval-{row}-seed{seed}", lambda: self.evaluation(row, seed), self.same(row, seed)
+            )
         except FitFailed:
             return None
 
-    def evaluate(self, row: str, seed: int) -> dict:
+    def evaluation(self, row: str, seed: int) -> dict:
+        """What :meth:`cell` computes (:class:`FitFailed` when a fit failed)."""
         from alignlit.models import RewardEnsemble, load_reward_model
 
         r = ROWS[row]
@@ -468,10 +479,6 @@ class Runner:
         return record
 
 
-class FitFailed(RuntimeError):
-    """A fit of the cell failed (recorded in :attr:`Runner.failed`): the cell is not evaluated."""
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
     if args.tiny:
@@ -487,10 +494,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     root = work / "root"
 
     cells = [(row, seed) for row in args.rows for seed in args.seeds]
-    left = [(r, s) for r, s in cells if not Cells(work / "runs" / r / f"seed{s}").path("eval").exists()]
-    shared_cells = Cells(work / "shared")
-    steps = shared_steps(args, configs, prefix)
-    shared_left = [name for name, _ in steps if not shared_cells.path(name).exists()]
+    steps = [(name, argv, None) for name, argv in shared_steps(args, configs, prefix)]
+    planned = stage_cells(Cells(work), steps, None, make=False)  # the shared stages' cells as they are
+    shared_left = planned.pop("left")
+    runner = Runner(args, configs, work, prefix, None if shared_left else planned["stamp"])
+    left = [(r, s) for r, s in cells if shared_left or runner.evaluated(r, s) is None]
     eta = sum(ESTIMATE_S[k] for k in shared_left) * scale + sum(
         estimate(r, scale, args.members) for r, _ in left
     )
@@ -503,35 +511,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.plan:
         return []
 
+    def run(name: str, argv: list[str] | None) -> float:
+        print(f"bench_reward_ablations: shared stage {name}", flush=True)
+        if argv is not None:
+            return run_alignlit(name, argv, root, work / "logs" / f"{name}.log")
+        start = time.perf_counter()
+        python_step(name, root, prefix)
+        return time.perf_counter() - start
+
     root.mkdir(parents=True, exist_ok=True)
-    shared: dict = {"stamp": None}
-    # each shared stage a cell after the one before it: a stage that ran makes every later one run again;
-    # --report reads them as they are
-    for name, step in [] if args.report else steps:
-
-        def stage(name=name, step=step) -> dict:
-            print(f"bench_reward_ablations: shared stage {name}", flush=True)
-            if step is None:
-                start = time.perf_counter()
-                python_step(name, root, prefix)
-                return {"s": time.perf_counter() - start, "stamp": time.time()}
-            return {"s": run_alignlit(name, step, root, work / "logs" / f"{name}.log"), "stamp": time.time()}
-
-        done = shared_cells.run(name, stage, spec={"step": step, "after": shared["stamp"]})
-        shared[name], shared["stamp"] = done["s"], done["stamp"]
-    for name, _ in steps if args.report else []:
-        if shared_cells.path(name).exists():
-            done = json.loads(shared_cells.path(name).read_text())["result"]
-            shared[name], shared["stamp"] = done["s"], done["stamp"]
-
-    runner = Runner(args, configs, work, prefix, shared["stamp"])
+    # --report: the shared stages as they are; otherwise each stage is a cell, run when missing or stale
+    shared = planned if args.report else stage_cells(runner.cells, steps, run)
+    runner.stamp = shared["stamp"]
     runner.load_pairs()
     records: dict[str, list[dict]] = {}
     for i, (row, seed) in enumerate(cells):
-        if (
-            args.report
-            and Cells(work / "runs" / row / f"seed{seed}").get("eval", runner.same(row, seed)) is None
-        ):
+        if args.report and runner.evaluated(row, seed) is None:
             runner.failed[f"{row}/seed{seed}"] = "not evaluated yet (--report)"
             continue
         record = runner.cell(row, seed)

@@ -19,7 +19,9 @@ policy on those samples (self-normalised weights ``w_j ∝ exp(v_j/β)``): its K
 Prompts whose ``n`` samples hold no accepted answer keep SFT's gold in the verifier tilt (an estimate
 from ``n`` samples: a policy could find answers SFT puts less than about ``1/n`` mass on). Reads only
 ``prompts_val``; writes ``verifiable_frontier.{json,md,png}`` (the PNG with the rows of
-``verifiable.json`` when it exists).
+``verifiable.json`` when it exists). The SFT samples' gold and answer-check values are the cell ``samples``
+under ``out/bench/verifiable_frontier/cells`` (``harness.Cells``), read back for the same settings, SFT
+export and prompts, so a second run only redoes the tilts.
 
     python benchmarks/bench_verifiable_frontier.py --root out/bv/root
 """
@@ -27,6 +29,7 @@ from ``n`` samples: a policy could find answers SFT puts less than about ``1/n``
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import sys
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from harness import command_line, write_results  # benchmarks/ is on sys.path when a script runs
+from harness import command_line, measurement_cells, write_results  # benchmarks/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 BETAS = [round(10 ** (k / 20), 4) for k in range(-40, 21)]  # 0.01 ... 10
@@ -73,6 +76,31 @@ def value_at(points: list[dict], budget: float, key: str = "gold") -> float:
     return best
 
 
+def sample(args, prompts: list[str]) -> dict:
+    """``--n`` SFT samples per prompt: their gold and answer-check values (``(P, n)`` lists) and seconds."""
+    from alignlit.eval.gold import chunked_rollouts
+    from alignlit.models import load_policy
+    from alignlit.rewards import SimVerifier
+    from alignlit.rollout import SamplingParams
+    from alignlit.sim import SimGoldReward
+
+    root = Path(args.root)
+    sim = str(root / "data" / "sim")
+    policy, tokenizer = load_policy(root / args.sft)
+    policy.eval()
+    verifier, gold_fn = SimVerifier(sim), SimGoldReward(sim)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    start = time.perf_counter()
+    golds, checks = [], []
+    for rollout in chunked_rollouts(
+        policy, tokenizer, prompts, n=args.n, sampling=sampling, batch_size=args.batch_size
+    ):
+        golds.append(gold_fn(rollout.prompts, rollout.texts).view(-1, args.n))
+        checks.append(verifier(rollout.prompts, rollout.texts).view(-1, args.n))
+    gold, check = torch.cat(golds), torch.cat(checks)
+    return {"gold": gold.tolist(), "check": check.tolist(), "sample_s": time.perf_counter() - start}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default="out/bv/root", help="where data/sim and out/quickstart/sft are")
@@ -86,28 +114,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from alignlit.data import parse_prompt, read_records
-    from alignlit.eval.gold import chunked_rollouts
-    from alignlit.models import load_policy
-    from alignlit.rewards import SimVerifier
-    from alignlit.rollout import SamplingParams
-    from alignlit.sim import SimGoldReward
 
     root = Path(args.root)
-    sim = str(root / "data" / "sim")
     prompts = [parse_prompt(r) for r in read_records(root / "data/sim/prompts_val.jsonl")][: args.prompts]
-    policy, tokenizer = load_policy(root / args.sft)
-    policy.eval()
-    verifier, gold_fn = SimVerifier(sim), SimGoldReward(sim)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    start = time.perf_counter()
-    golds, checks = [], []
-    for rollout in chunked_rollouts(
-        policy, tokenizer, prompts, n=args.n, sampling=sampling, batch_size=args.batch_size
-    ):
-        golds.append(gold_fn(rollout.prompts, rollout.texts).view(-1, args.n))
-        checks.append(verifier(rollout.prompts, rollout.texts).view(-1, args.n))
-    gold, check = torch.cat(golds), torch.cat(checks)  # (P, n)
-    sample_s = time.perf_counter() - start
+    settings = {k: v for k, v in vars(args).items() if k != "results"}
+    spec = {
+        **settings,
+        "sft_exported": (root / args.sft / "config.json").stat().st_mtime,
+        "prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest(),
+    }
+    samples = measurement_cells("verifiable_frontier").run("samples", lambda: sample(args, prompts), spec)
+    gold, check = torch.tensor(samples["gold"]), torch.tensor(samples["check"])  # (P, n)
+    sample_s = samples["sample_s"]
     assert torch.equal(check == 1, gold == 1), "the strict check accepts exactly the gold-1 answers"
 
     pass_rate = check.mean(-1)  # (P,) SFT's per-prompt chance of an accepted answer

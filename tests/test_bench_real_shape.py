@@ -1,5 +1,5 @@
 """benchmarks/bench_real_shape.py --tiny: one GRPO step on GSM8K prompts runs and its JSON has every phase,
-the forced response lengths and the prompt / answer length table."""
+the forced response lengths and the prompt / answer length table; a second run reads its cells back."""
 
 from __future__ import annotations
 
@@ -27,12 +27,18 @@ def test_hash_reward_reads_the_number_after_the_last_marker():
 @pytest.mark.skipif(not GSM8K.is_file(), reason=f"needs the shared GSM8K train split at {GSM8K}")
 def test_tiny_run_writes_phases_and_lengths(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_real_shape.py"), "--tiny", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads((tmp_path / "real_shape_tiny.json").read_text())
+
+    def run() -> dict:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / "bench_real_shape.py"), "--tiny", "--out-dir", str(tmp_path),
+             "--work", str(tmp_path / "work")],
+            capture_output=True, text=True, env=env, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return json.loads((tmp_path / "real_shape_tiny.json").read_text())
+
+    result = run()
+    assert {p.stem for p in (tmp_path / "work" / "cells").glob("*.json")} == {"model", "lengths", "step-hf"}
     hf = result["engines"]["hf"]
     assert hf["status"] == "ok" and set(hf["seconds"]) == set(PHASES)
     assert all(v >= 0 for k, v in hf["seconds"].items() if k != "other")
@@ -52,3 +58,7 @@ def test_tiny_run_writes_phases_and_lengths(tmp_path):
     assert (
         (tmp_path / "real_shape_tiny.md").read_text().startswith("# One GRPO step at the real shape (--tiny)")
     )
+    # the cells are read back: the same step and lengths, nothing measured again
+    again = run()
+    assert again["engines"]["hf"] == hf and again["lengths"] == lengths
+    assert again["memory"]["peak_rss_mb"] == result["memory"]["peak_rss_mb"]

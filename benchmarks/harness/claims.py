@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import (  # benchmarks/ is on sys.path when a script runs
-    Cells,
     mean_std,
     pm,
     run_alignlit,
@@ -113,7 +112,8 @@ class ClaimsBench(bq.Bench):
                 link.symlink_to(self.root / self.prefix / d, target_is_directory=True)
 
     def shared_extra(self) -> dict:
-        """The oracle-ranked samples and the unbalanced reward model (after :meth:`shared`)."""
+        """The oracle-ranked samples and the unbalanced reward model (after :meth:`shared`), one cell each
+        (``shared-<name>``, read back for the same command and shared stages); their wall times."""
         reward = [
             *self.fit_args("reward.yaml", 0),
             "--data.init_args.length_balance=false",
@@ -130,36 +130,39 @@ class ClaimsBench(bq.Bench):
         times = {}
         for name, argv, result in steps:
 
-            def stage(name=name, argv=argv) -> dict:
+            def run(name=name, argv=argv) -> dict:
                 print(f"bench_claims: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
-                return {"s": run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")}
+                elapsed = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
+                return {"s": elapsed, "stamp": self.shared_stamp}
 
-            spec = {"argv": argv, "after": self.shared_stamp}
-            done = self.shared_cells.run(name, stage, spec=spec, valid=lambda _, r=result: r.exists())
-            times[name] = {"s": done["s"], "stamp": self.shared_stamp}
+            spec = {"argv": argv, "shared_stamp": self.shared_stamp}
+            times[name] = bq.cell(self.cells, f"shared-{name}", run, spec, result)
         return times
 
     # evaluation with the proxy reward
 
-    def evaluate_policy_dir(self, policy_dir: Path | None, seed: int, cell_file: Path, stamp: float) -> dict:
-        """Gold, proxy (the reward model's score), KL to SFT and length of ``policy_dir`` (None: the SFT
-        policy) on the test prompts: the cell ``cell_file.stem`` of ``Cells(cell_file.parent)``, computed once for
-        the policy finished at ``stamp`` and the prompt count."""
-        prompts = self.prompts("test")
-        return Cells(cell_file.parent).run(
-            cell_file.stem,
-            lambda: self.evaluate_now(policy_dir, seed, stamp, prompts),
-            spec={"stamp": stamp, "prompts": len(prompts)},
-        )
+    def evaluate_policy_dir(self, policy_dir: Path | None, seed: int, key: str, stamp: float) -> dict:
+        """The evaluation cell ``key``: gold, proxy (the reward model's score), KL to SFT and length of
+        ``policy_dir`` (None: the SFT policy) on the test prompts, read back for the same policy (finished at
+        ``stamp``), prompts and sampling."""
+        spec = {
+            "policy": None if policy_dir is None else str(policy_dir),
+            "stamp": stamp,
+            "prompts": len(self.prompts("test")),
+            "seed": seed,
+            "max_new_tokens": self.args.max_new_tokens,
+        }
+        return self.cells.run(key, lambda: self.proxy_evaluation(policy_dir, seed, stamp), spec)
 
-    def evaluate_now(self, policy_dir: Path | None, seed: int, stamp: float, prompts: list[str]) -> dict:
-        """:meth:`evaluate_policy_dir`'s computation."""
+    def proxy_evaluation(self, policy_dir: Path | None, seed: int, stamp: float) -> dict:
+        """What :meth:`evaluate_policy_dir` computes."""
         from alignlit.eval.gold import evaluate_policy
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
         from alignlit.rollout.reward_protocol import resolve_reward, score_texts
         from alignlit.sim import load_sim
 
+        prompts = self.prompts("test")
         task, _ = load_sim(self.root / "data" / "sim")
         rm = resolve_reward(str(self.root / self.prefix / "reward"), batch_size=256)
         proxy: list[float] = []

@@ -1,7 +1,8 @@
 """The quality benchmark's machinery (``benchmarks/bench_quality.py`` runs it; ``bench_claims.py`` and
 ``bench_reward_ablations.py`` build on it): the methods and suites, their grids, the plan of cells (training
-runs and evaluations, each cached under the work directory with what it was computed from, so a rerun
-resumes), the shared stages, the evaluation, the aggregation and the table."""
+runs and evaluations, each a cell (``harness.Cells``) under the work directory, read back while what it was
+computed from is unchanged, so a rerun resumes), the shared stages, the evaluation, the aggregation and the
+table."""
 
 from __future__ import annotations
 
@@ -177,6 +178,42 @@ TINY_DATA = ["--n-sft", "2000", "--n-pairs", "400", "--n-prompts", "200", "--n-v
 TINY_STEPS = 6  # optimizer steps of offline stages with --tiny
 TINY_ROLLOUTS = 2  # rollouts of online stages with --tiny
 
+# --- cells ----------------------------------------------------------------------------------------
+
+
+def cell(cells: Cells, key: str, compute, spec, output: str | Path | None = None):
+    """``cells.run(key, compute, spec)``, computed again when ``output`` (a file the cell writes beside its
+    record: a run's export, a stage's data) is missing."""
+    if output is not None and not Path(output).exists():
+        cells.path(key).unlink(missing_ok=True)
+    return cells.run(key, compute, spec)
+
+
+def stage_cells(cells: Cells, steps: list[tuple], run, *, make: bool = True) -> dict:
+    """Shared stages in order, one cell each (``shared-<name>``): ``steps`` is ``[(name, argv, output)]``
+    (``output``: a file the stage writes, or None) and ``run(name, argv)`` runs one, returning its seconds.
+    A stage's spec is its argv and the stamp of the stage before it, so a stage that runs again makes every
+    later one run again (they start from its result). Returns ``{name: seconds, ..., "stamp": when the last
+    stage ran}``; with ``make=False`` nothing runs and ``"left"`` lists the stages a run would run."""
+    times: dict = {}
+    stamp, left = None, []
+    for name, argv, output in steps:
+        key, spec = f"shared-{name}", {"argv": argv, "after": stamp}
+        if not make:
+            there = output is None or Path(output).exists()
+            record = cells.get(key, spec) if there and not left else None
+            if record is None:
+                left.append(name)
+                continue
+        else:
+            record = cell(
+                cells, key, lambda n=name, a=argv: {"s": run(n, a), "stamp": time.time()}, spec, output
+            )
+        times[name], stamp = record["s"], record["stamp"]
+    times["stamp"] = stamp
+    return times if make else {**times, "left": left}
+
+
 # --- configs --------------------------------------------------------------------------------------
 
 
@@ -338,14 +375,12 @@ class Bench:
         self.shared_stamp: float | None = None  # when the shared stages last changed
         self.scale = 0.1 if args.tiny else (0.35 if self.configs.name == "quickstart" else 1.0)
         self.suite = SUITES[args.suite]
-        self.shared_cells = Cells(self.work / "shared")
+        self.cells = Cells(self.work)  # every fit and evaluation, read back while its spec is unchanged
 
     # shared stages: data, SFT, reward model, ranked samples
 
-    def shared(self) -> dict:
-        """Run the shared stages that have no result yet, each a cell of ``Cells(work/shared)`` whose spec is
-        its command and the stamp of the stage before it (a stage that ran makes every later one run again:
-        they start from its result); returns their wall times and ``stamp``, when the last one finished."""
+    def shared_steps(self) -> list[tuple]:
+        """The suite's shared stages in order: ``(name, alignlit argv, the file it writes)``."""
         out = self.root / self.prefix
         sim = self.root / "data" / "sim"
         steps = [
@@ -362,31 +397,26 @@ class Bench:
                 out / "samples" / "rft.jsonl",
             ),
         ]
-        steps = [step for step in steps if step[0] in self.suite.shared]
-        self.root.mkdir(parents=True, exist_ok=True)
-        times: dict = {"stamp": None}
-        for name, argv, result in steps:
-
-            def stage(name=name, argv=argv) -> dict:
-                print(f"bench_quality: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
-                seconds = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
-                self.measured.setdefault(name, []).append(seconds)
-                print(f"bench_quality: shared stage {name}: {seconds:.0f} s", flush=True)
-                return {"s": seconds, "stamp": time.time()}
-
-            done = self.shared_cells.run(
-                name,
-                stage,
-                spec={"argv": argv, "after": times["stamp"]},
-                valid=lambda _, r=result: r.exists(),
-            )
-            times[name], times["stamp"] = done["s"], done["stamp"]
-        self.shared_stamp = times["stamp"]
-        return times
+        return [step for step in steps if step[0] in self.suite.shared]
 
     def shared_left(self) -> list[str]:
-        """The shared stages of the suite without a finished cell (what :meth:`shared` would run at least)."""
-        return [k for k in self.suite.shared if not self.shared_cells.path(k).exists()]
+        """The shared stages a run would run (their cells are missing or stale)."""
+        return stage_cells(self.cells, self.shared_steps(), None, make=False)["left"]
+
+    def shared(self) -> dict:
+        """The shared stages, one cell each (:func:`stage_cells`); returns their wall times and ``stamp``."""
+
+        def run(name: str, argv: list[str]) -> float:
+            print(f"bench_quality: shared stage {name}: alignlit {' '.join(argv)}", flush=True)
+            elapsed = run_alignlit(name, argv, self.root, self.work / "logs" / f"{name}.log")
+            self.measured.setdefault(name, []).append(elapsed)
+            print(f"bench_quality: shared stage {name}: {elapsed:.0f} s", flush=True)
+            return elapsed
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        times = stage_cells(self.cells, self.shared_steps(), run)
+        self.shared_stamp = times["stamp"]  # the SFT policy and reward model the cells were evaluated with
+        return times
 
     def sample_args(self, name: str, scorer: str, *, rft: bool = False, sim: bool = False) -> list[str]:
         """``alignlit sample`` of 4 SFT samples per training prompt (seed 0), ranked by ``scorer``, into
@@ -434,10 +464,16 @@ class Bench:
             if not link.is_symlink():
                 link.symlink_to(target, target_is_directory=True)
 
+    def cell_key(self, what: str, method: str, setting: dict, seed: int) -> str:
+        """A cell's key: ``<what>-`` and its run directory under ``runs/`` (``fit-dpo-default-seed0``)."""
+        return f"{what}-" + "-".join(
+            self.run_dir(method, setting, seed).relative_to(self.work / "runs").parts
+        )
+
     def fit(self, method: Method, setting: dict, seed: int) -> tuple[Path, dict]:
-        """Train one run (a cell of ``Cells(run_dir)``), unless a finished run with the same command line,
-        config text and shared stages exists and its export is complete; returns its export directory and its record (``fit_s``, ``argv``,
-        ``config_sha256``, ``shared_stamp``, ``stamp``: when it finished)."""
+        """A training cell: one run, read back while its command line, config text and shared stages are
+        unchanged and its export is there; returns its export directory and its record (``fit_s``,
+        ``argv``, ``config_sha256``, ``shared_stamp``, ``stamp``: when it finished)."""
         export = get_key(read_config(method.config, self.configs), "model.init_args.export_dir")
         path = self.run_dir(method.name, setting, seed)
         argv = self.fit_args(method.config, seed, self.own_setting(method.name, setting))
@@ -450,10 +486,8 @@ class Bench:
             self.measured.setdefault(method.name, []).append(elapsed)
             return {"fit_s": elapsed, **same, "stamp": time.time()}
 
-        done = Cells(path).run(
-            "fit", train, spec=same, valid=lambda _: (path / export / "alignlit.json").exists()
-        )
-        return path / export, done
+        key = self.cell_key("fit", method.name, setting, seed)
+        return path / export, cell(self.cells, key, train, same, path / export / "alignlit.json")
 
     # evaluation
 
@@ -467,23 +501,26 @@ class Bench:
     def evaluate(
         self, method: Method, setting: dict, seed: int, split: str, policy_dir: Path | None, stamp: float
     ) -> dict:
-        """Evaluate one cell (``eval_<split>`` of ``Cells(run_dir)``), unless it was evaluated for the same
-        policy (``stamp``: when the policy's run finished) and prompt count; returns the cell's record."""
+        """An evaluation cell, read back for the same policy (``stamp``: when the policy's run finished),
+        prompts and sampling; returns its record."""
         prompts = self.prompts(split)
-        return Cells(self.run_dir(method.name, setting, seed)).run(
-            f"eval_{split}",
-            lambda: self.evaluate_now(method, setting, seed, split, policy_dir, stamp, prompts),
-            spec={"stamp": stamp, "prompts": len(prompts)},
+        spec = {"stamp": stamp, "prompts": len(prompts), "max_new_tokens": self.args.max_new_tokens}
+        key = f"{self.cell_key('eval', method.name, setting, seed)}-{split}"
+        return self.cells.run(
+            key, lambda: self.evaluation(method, setting, seed, split, policy_dir, stamp), spec
         )
 
-    def evaluate_now(self, method, setting, seed, split, policy_dir, stamp, prompts) -> dict:
-        """:meth:`evaluate`'s computation: gold (and KL to SFT) of the policy, or best-of-n of SFT."""
+    def evaluation(
+        self, method: Method, setting: dict, seed: int, split: str, policy_dir: Path | None, stamp: float
+    ) -> dict:
+        """What :meth:`evaluate` computes: gold, KL to SFT and length on the split's prompts."""
         from alignlit.eval.gold import best_of_n, evaluate_policy
         from alignlit.eval.score import rm_selector
         from alignlit.models import load_policy
         from alignlit.rollout import SamplingParams
         from alignlit.sim import load_sim
 
+        prompts = self.prompts(split)
         task, _ = load_sim(self.root / "data" / "sim")
         sampling = SamplingParams(temperature=1.0, max_new_tokens=self.args.max_new_tokens, seed=seed)
         sft_dir = self.root / self.prefix / "sft"
