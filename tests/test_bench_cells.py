@@ -47,18 +47,22 @@ def test_shared_stages_are_a_chain_of_cells(tmp_path):
     assert ran[5:] == ["data", "sft", "rm"]
 
 
+def quick_args(parser, tmp_path):
+    """A quality-harness parser's arguments for the quickstart configs, 4 test prompts, work under tmp_path."""
+    argv = [
+        "--configs",
+        str(ROOT / "configs" / "quickstart"),
+        "--work",
+        str(tmp_path / "w"),
+        "--test-prompts",
+        "4",
+    ]
+    return parser.parse_args(argv)
+
+
 @pytest.fixture
 def bench(tmp_path, monkeypatch):
-    args = bench_quality.build_parser().parse_args(
-        [
-            "--configs",
-            str(ROOT / "configs" / "quickstart"),
-            "--work",
-            str(tmp_path / "w"),
-            "--test-prompts",
-            "4",
-        ]
-    )
+    args = quick_args(bench_quality.build_parser(), tmp_path)
     b = bench_quality.Bench(args, bench_quality.METHODS)
     monkeypatch.setattr(
         b, "prompts", lambda split: ["p"] * (args.val_prompts if split == "val" else args.test_prompts)
@@ -114,16 +118,7 @@ def test_a_training_run_is_a_cell_trained_again_when_its_export_is_gone(bench, m
 
 @pytest.fixture
 def claims_bench(tmp_path):
-    args = claims.build_parser().parse_args(
-        [
-            "--configs",
-            str(ROOT / "configs" / "quickstart"),
-            "--work",
-            str(tmp_path / "w"),
-            "--test-prompts",
-            "4",
-        ]
-    )
+    args = quick_args(claims.build_parser(), tmp_path)
     args.suite, args.grid_limit, args.max_val_kl = "quality", None, None  # as bench_claims.py sets them
     bench = claims.ClaimsBench(args)
     bench.shared_stamp = 1.0

@@ -237,19 +237,9 @@ def ppo(policy_dir, k, partial=None):
     )  # fmt: skip
 
 
-def online_dpo(policy_dir, k, partial=None):
-    return OnlineDPOModule(
-        policy=str(policy_dir), reward=char_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0), train_max_length=40,
-        train_max_prompt_length=24,
-        rollout=RolloutLoop(
-            sampling=SamplingParams(max_new_tokens=5), samples_per_prompt=3, max_staleness=k, partial=partial
-        ),
-        minibatches=Minibatches(size=2, epochs=2),
-    )  # fmt: skip
-
-
-def online_rrhf(policy_dir, k, partial=None):
-    return OnlineRRHFModule(
+def online_pairs(cls, policy_dir, k, partial=None):
+    """Online DPO or online RRHF (``cls``): 3 samples per prompt, the same settings for both."""
+    return cls(
         policy=str(policy_dir), reward=char_reward, optim=Optim(lr=1e-3, min_lr_ratio=1.0), train_max_length=40,
         train_max_prompt_length=24,
         rollout=RolloutLoop(
@@ -272,9 +262,9 @@ STAGES = {
     ),  # batch 4 in progress at the checkpoint (rollout.partial)
     "ppo": lambda d: ppo(d, 1),
     "ppo-partial": lambda d: ppo(d, 1, partial=2),
-    "online-dpo": lambda d: online_dpo(d, 1),
-    "online-dpo-partial": lambda d: online_dpo(d, 1, partial=2),
-    "online-rrhf-partial": lambda d: online_rrhf(d, 1, partial=2),
+    "online-dpo": lambda d: online_pairs(OnlineDPOModule, d, 1),
+    "online-dpo-partial": lambda d: online_pairs(OnlineDPOModule, d, 1, partial=2),
+    "online-rrhf-partial": lambda d: online_pairs(OnlineRRHFModule, d, 1, partial=2),
     "distill-partial": lambda d: distill(d, 1, partial=2),
 }
 

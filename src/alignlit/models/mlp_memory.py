@@ -120,16 +120,17 @@ class _GatedMLPHooks:
     # --- module hooks --------------------------------------------------------------------------------
     def active(self) -> bool:
         return (
-            not self.disabled
-            and torch.is_grad_enabled()
+            torch.is_grad_enabled()
             and forward_settings().recompute_mlp
             and not torch.compiler.is_compiling()
             and not getattr(self.model, "is_gradient_checkpointing", False)
         )
 
     def mlp_pre(self, module, args):
-        self.attach()
-        if self.active():
+        if not self.active():  # nothing to do on forwards without gradients (generation's decode steps)
+            return
+        self.attach()  # first: a changed projection (a LoRA wrapper) re-enables a disabled MLP's check
+        if not self.disabled:
             self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.context.__enter__()
 
