@@ -140,3 +140,35 @@ def test_an_mlp_computing_something_else_keeps_its_tensors():
     for a, b in zip(stock.parameters(), hooked.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     assert hooked._alignlit_mlp_hooks.disabled
+
+
+def test_only_the_product_is_marked_when_down_proj_runs():
+    """The first forward's check calls ``act_fn`` again (without gradients): that call's output must not be
+    marked. It is freed at once, and a tensor ``down_proj`` saves next (its autocast weight copy) could
+    take its memory and be swapped for the wrong recipe, which corrupted the first step's gradients under
+    bf16 autocast on CPUs where the allocator reused that block."""
+    _, hooked = pair(LlamaForCausalLM, LlamaConfig(**CONFIG))
+    seen = []
+
+    def after_ours(module, args):  # registered after the hooks' own down_proj pre-hook
+        hooks = mlp._alignlit_mlp_hooks
+        seen.append((set(hooks.marks), args[0].untyped_storage().data_ptr()))
+
+    mlp = hooked.model.layers[0].mlp
+    mlp.down_proj.register_forward_pre_hook(after_ours)
+    ids = torch.randint(0, 64, (ROWS, LENGTH))
+    for _ in range(2):  # the first forward checks the formula, the second does not
+        loss_of(hooked, ids).backward()
+    assert [marks for marks, _ in seen] == [{h} for _, h in seen]
+
+
+def test_same_gradients_under_bf16_autocast():
+    stock, hooked = pair(LlamaForCausalLM, LlamaConfig(**CONFIG))
+    ids = torch.randint(0, 64, (ROWS, LENGTH))
+    for model in (stock, hooked):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(model, ids)
+            loss.backward()
+    for a, b in zip(grads(stock), grads(hooked), strict=True):
+        assert torch.equal(a, b)

@@ -69,7 +69,9 @@ class _GatedMLPHooks:
 
     def __init__(self, mlp: nn.Module, model: nn.Module):
         self.mlp, self.model = mlp, model
-        self.marks: dict[int, _Recipe] = {}
+        # storage address -> (recipe, the marked tensor): the reference keeps the address from being
+        # reused by another tensor while it is marked
+        self.marks: dict[int, tuple[_Recipe, torch.Tensor]] = {}
         self.g: torch.Tensor | None = None
         self.u: torch.Tensor | None = None
         self.context = None
@@ -108,7 +110,7 @@ class _GatedMLPHooks:
     # --- saved-tensor hooks, pushed for the MLP's forward ------------------------------------------
     def pack(self, t: torch.Tensor):
         if type(t) is torch.Tensor and self.marks:
-            recipe = self.marks.get(t.untyped_storage().data_ptr())
+            recipe, _ = self.marks.get(t.untyped_storage().data_ptr(), (None, None))
             if recipe is not None and t.dtype == recipe.dtype and t.numel() <= recipe.numel:
                 return _Saved(recipe, t.shape, t.stride(), t.storage_offset())
         return t
@@ -144,6 +146,7 @@ class _GatedMLPHooks:
     def act_post(self, module, args, output):
         if (
             self.context is None
+            or not torch.is_grad_enabled()  # our own recomputations (the first forward's check, a recipe)
             or not args
             or type(output) is not torch.Tensor
             or type(args[0]) is not torch.Tensor
@@ -182,9 +185,8 @@ class _GatedMLPHooks:
         self.marks.clear()  # ``h`` is kept by down_proj (or replaced by its recipe) from here on
 
     def mark(self, t: torch.Tensor, u: torch.Tensor | None) -> None:
-        self.marks[t.untyped_storage().data_ptr()] = _Recipe(
-            self.mlp.act_fn, self.g, u, t.numel(), t.dtype, t.storage_offset()
-        )
+        recipe = _Recipe(self.mlp.act_fn, self.g, u, t.numel(), t.dtype, t.storage_offset())
+        self.marks[t.untyped_storage().data_ptr()] = (recipe, t)
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
