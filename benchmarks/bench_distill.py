@@ -198,7 +198,8 @@ class Bench:
             for seed in self.args.seeds:
                 export = self.run_dir(name, 0.0, seed) / "export"
 
-                def copy(src=src, export=export) -> dict:  # the cell ``export``: copied again once src changes
+                # the cell ``export``: the policy copied, again once its source changes
+                def copy(src=src, export=export) -> dict:
                     shutil.rmtree(export, ignore_errors=True)
                     shutil.copytree(src, export)
                     return {"export": str(export)}
