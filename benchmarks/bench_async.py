@@ -121,31 +121,37 @@ def prepare(root: Path, env: dict) -> None:
 
 
 def prepare_long(work: Path) -> Path:
-    """The long shape's assets under ``work/long`` unless they exist: simulated-task prompts with their
-    context (train, test), the sim tokenizer and the random policy (:data:`LONG`)."""
+    """The long shape's assets under ``work/long``: simulated-task prompts with their context (train, test), the
+    sim tokenizer and the random policy (:data:`LONG`); the cell ``long`` of ``Cells(work)``, made again for
+    other settings or when the policy is gone."""
     from alignlit.data.tokenizer import load_tokenizer
     from alignlit.models import export_pretrained, make_tiny_llama
     from alignlit.sim import make_data, write_tokenizer
     from harness.vs_trl import MODEL, with_context
 
     root = work / "long"
-    if (root / "policy" / "config.json").exists():
-        return root
-    make_data(
-        root / "sim", seed=0, n_sft=10, n_pairs=10, n_prompts=400, n_val=10, n_test=LONG["test_prompts"]
-    )
-    for split in ("train", "test"):
-        lines = (root / "sim" / f"prompts_{split}.jsonl").read_text().splitlines()
-        prompts = [
-            with_context(json.loads(line)["prompt"], LONG["prompt_words"], i) for i, line in enumerate(lines)
-        ]
-        (root / f"prompts_{split}.jsonl").write_text(
-            "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+
+    def make() -> dict:
+        make_data(
+            root / "sim", seed=0, n_sft=10, n_pairs=10, n_prompts=400, n_val=10, n_test=LONG["test_prompts"]
         )
-    write_tokenizer(str(root / "sim"), vocab_size=LONG["vocab"])
-    tokenizer = load_tokenizer(root / "sim" / "tokenizer")
-    policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=512, **MODEL)
-    export_pretrained(policy, tokenizer, root / "policy", stage="bench")
+        for split in ("train", "test"):
+            lines = (root / "sim" / f"prompts_{split}.jsonl").read_text().splitlines()
+            prompts = [
+                with_context(json.loads(line)["prompt"], LONG["prompt_words"], i)
+                for i, line in enumerate(lines)
+            ]
+            (root / f"prompts_{split}.jsonl").write_text(
+                "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+            )
+        write_tokenizer(str(root / "sim"), vocab_size=LONG["vocab"])
+        tokenizer = load_tokenizer(root / "sim" / "tokenizer")
+        policy = make_tiny_llama(tokenizer, seed=0, max_position_embeddings=512, **MODEL)
+        export_pretrained(policy, tokenizer, root / "policy", stage="bench")
+        return {"root": str(root)}
+
+    policy = root / "policy" / "config.json"
+    Cells(work).run("long", make, spec={"long": LONG, "model": MODEL}, valid=lambda _: policy.exists())
     return root
 
 

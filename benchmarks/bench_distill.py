@@ -196,10 +196,20 @@ class Bench:
         for name, src in (("sft", self.root / "out/quickstart/sft"), ("teacher", self.root / TEACHER)):
             records = []
             for seed in self.args.seeds:
-                d = self.run_dir(name, 0.0, seed)
-                if not (d / "export").exists():
-                    d.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(src, d / "export")
+                export = self.run_dir(name, 0.0, seed) / "export"
+
+                # the cell ``export``: the policy copied, again once its source changes
+                def copy(src=src, export=export) -> dict:
+                    shutil.rmtree(export, ignore_errors=True)
+                    shutil.copytree(src, export)
+                    return {"export": str(export)}
+
+                Cells(export.parent).run(
+                    "export",
+                    copy,
+                    spec={"from": str(src), "written": (src / "config.json").stat().st_mtime},
+                    valid=lambda _, export=export: (export / "config.json").exists(),
+                )
                 records.append(self.evaluate(name, 0.0, seed, "test"))
             rows[name] = records
         return rows

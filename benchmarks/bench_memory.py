@@ -221,6 +221,54 @@ def table(cells: list[dict], args) -> str:
     return "\n".join(rows)
 
 
+def cell_specs(args, workloads: list[str], variants: list[str], ablation: set[int]) -> dict[str, dict]:
+    """The command's cells, ``<workload>-L<length>-<variant>``, each with its spec: the model and step settings
+    and the code, so a cell is measured again for other settings or other code."""
+    common = {k: getattr(args, k) for k in ("layers", "rows", "group", "threads", "dtype")}
+    common["code"] = code_stamp()
+    return {
+        f"{w}-L{n}-{v}": {**common, "workload": w, "length": n, "variant": v}
+        for n in args.lengths
+        for w in workloads
+        for v in variants
+        if (v in ("alignlit", "trl") or n in ablation)
+        and not (v == "alignlit full logits" and w == "reward")  # a scalar head has no vocabulary
+    }
+
+
+def measure_cells(args, cells_dir, spec: dict[str, dict]) -> list[dict]:
+    """Each cell of ``spec``, read back or measured in its own process (the shared assets built once, when a
+    cell is measured); a failed cell keeps no record, so the next run measures it again."""
+    cells = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        built = False
+        for key, cell_spec in spec.items():
+            workload, length, variant = cell_spec["workload"], cell_spec["length"], cell_spec["variant"]
+
+            def measure(workload=workload, length=length, variant=variant) -> dict:
+                nonlocal built
+                if not built:
+                    build_assets(root, args)
+                    built = True
+                side, flags = VARIANTS[variant]
+                python = args.trl_python if side == "trl" else sys.executable
+                return run_cell(python, side, flags, workload, length, root, args)
+
+            cell = {"workload": workload, "length": length, "variant": variant,
+                    **cells_dir.run(key, measure, cell_spec)}  # fmt: skip
+            if cell["status"] != "ok":
+                cells_dir.path(key).unlink()
+            cells.append(cell)
+            status = (
+                f"peak {cell['peak_mb']:.0f} MB, step {cell['step_s']:.1f} s"
+                if cell["status"] == "ok"
+                else cell["error"]
+            )
+            print(f"  {workload} L={length} {variant}: {status}", flush=True)
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -271,18 +319,7 @@ def main() -> None:
             parser.error(f"{what}: unknown {unknown}; choose from {list(known)}")
     out = Path(args.out)
     cells_dir = measurement_cells(out.stem, args.work)
-    plan = [
-        (w, length, v)
-        for length in args.lengths
-        for w in workloads
-        for v in variants
-        if (v in ("alignlit", "trl") or length in ablation)
-        and not (v == "alignlit full logits" and w == "reward")  # a scalar head has no vocabulary
-    ]
-    # a cell is measured again for other settings, other code or with --fresh
-    common = {k: getattr(args, k) for k in ("layers", "rows", "group", "threads", "dtype")}
-    common["code"] = code_stamp()
-    spec = {f"{w}-L{n}-{v}": {**common, "workload": w, "length": n, "variant": v} for w, n, v in plan}
+    spec = cell_specs(args, workloads, variants, ablation)
     for key in spec if args.fresh else ():
         cells_dir.path(key).unlink(missing_ok=True)
     done = sum(cells_dir.get(key, spec[key]) is not None for key in spec)
@@ -295,37 +332,8 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "cells": [],
     }
-    print(f"{len(plan)} cells ({done} measured before, in {cells_dir.dir})", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        built = False
-        for workload, length, variant in plan:
-            key = f"{workload}-L{length}-{variant}"
-
-            def measure(workload=workload, length=length, variant=variant) -> dict:
-                nonlocal built
-                if not built:
-                    build_assets(root, args)
-                    built = True
-                side, flags = VARIANTS[variant]
-                python = args.trl_python if side == "trl" else sys.executable
-                return run_cell(python, side, flags, workload, length, root, args)
-
-            cell = {
-                "workload": workload,
-                "length": length,
-                "variant": variant,
-                **cells_dir.run(key, measure, spec[key]),
-            }
-            if cell["status"] != "ok":  # a failed cell is measured again by the next run
-                cells_dir.path(key).unlink()
-            payload["cells"].append(cell)
-            status = (
-                f"peak {cell['peak_mb']:.0f} MB, step {cell['step_s']:.1f} s"
-                if cell["status"] == "ok"
-                else cell["error"]
-            )
-            print(f"  {workload} L={length} {variant}: {status}", flush=True)
+    print(f"{len(spec)} cells ({done} measured before, in {cells_dir.dir})", flush=True)
+    payload["cells"] = measure_cells(args, cells_dir, spec)
     order = {(w, length, v): i for i, (w, length, v) in enumerate(
         (w, length, v) for w in WORKLOADS for length in sorted({c["length"] for c in payload["cells"]}) for v in VARIANTS)}  # fmt: skip
     payload["cells"].sort(key=lambda c: order.get((c["workload"], c["length"], c["variant"]), 1 << 30))

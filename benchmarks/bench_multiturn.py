@@ -17,8 +17,9 @@ prompts of prompts_val (each arm in its own setting); the best lr per arm is tra
 across seeds, the paired multi − single difference per seed, turns per episode, first answers right,
 hinted episodes, second answers right after a hint; as controls the SFT policies and the single-turn
 policy evaluated inside the environment. Test prompts and gold never enter training or selection (a run's
-policy is saved and evaluated on test only once its lr is chosen). Finished runs are skipped when rerun
-(``--out``), so a campaign can be split into chunks. Writes ``benchmarks/results/<name>.{md,json,png}``.
+policy is saved and evaluated on test only once its lr is chosen). Every run and evaluation is a cell under
+``--out`` (:class:`Campaign`): a rerun reads back the finished ones with the same settings, so a campaign can be
+split into chunks. Writes ``benchmarks/results/<name>.{md,json,png}``.
 
     python benchmarks/bench_multiturn.py --sim-dir data/sim --sft out/quickstart/sft-multiturn \\
         --sft-single out/quickstart/sft
@@ -27,6 +28,7 @@ policy is saved and evaluated on test only once its lr is chosen). Finished runs
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ from alignlit.models import load_policy
 from alignlit.modules import Minibatches, Optim, PolicyGradientModule
 from alignlit.rollout import EpisodeReturn, HFEngine, RolloutLoop, SamplingParams, run_episodes
 from alignlit.sim import SimEpisodeGold, SimHintEnvironment
-from harness import cached, write_results  # benchmarks/ is on sys.path when a script runs
+from harness import Cells, write_results  # benchmarks/ is on sys.path when a script runs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STATS = ("gold", "turns", "first_right", "hinted", "second_right_after_hint", "model_tokens")
@@ -177,53 +179,86 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, math.sqrt(var / len(values))
 
 
-def run_campaign(args, val: list[str], test: list[str], *, select_only: bool = False) -> dict:
-    out = Path(args.out)
-    report: dict = {"args": vars(args), "selection": {}, "runs": [], "controls": {}}
-    for name, path in (("sft", args.sft), ("sft_single", args.sft_single)):
-        for arm in ("single", "multi") if path and not select_only else ():
-            report["controls"][f"{name}_in_{arm}"] = cached(
-                out / f"control-{name}-{arm}.json", evaluate, args, path, test, arm
-            )
+class Campaign:
+    """The campaign's cells, in ``Cells(--out)``: a cell whose spec (what it computes: the task and environment
+    settings, the arm, lr, seed and token budget of a run, the policy and prompts of an evaluation) is unchanged is
+    read back, so a stopped campaign resumes and a changed setting computes again.
 
-    def run(arm: str, lr: float, seed: int) -> dict:
-        budget = None if arm == "multi" else run("multi", lr, seed)["tokens"]
-        folder = out / f"{arm}-lr{lr:g}-s{seed}"
-        return cached(folder / "train.json", train, args, arm, lr, seed, budget, folder) | {
-            "dir": str(folder)
+    - ``train-<arm>-lr<lr>-s<seed>``: a training run (its policy in ``--out/<arm>-lr<lr>-s<seed>/policy``; run
+      again when the policy is gone); the single-turn run's budget is the multi-turn run's tokens.
+    - ``eval-<arm>-lr<lr>-s<seed>-<split>``: that policy's episodes on the ``val`` or ``test`` prompts in its own
+      environment; ``...-test-in-multi``: the single-turn policy inside the multi-turn environment.
+    - ``control-<sft|sft_single>-<arm>``: an SFT policy on the test prompts in the arm's environment.
+    """
+
+    def __init__(self, args, val: list[str], test: list[str]):
+        self.args, self.out, self.cells = args, Path(args.out), Cells(args.out)
+        self.prompts = {"val": val, "test": test}
+        self.task = {k: getattr(args, k) for k in ("sim_dir", "hint", "turn_cost", "correctness")}
+
+    def trained(self, arm: str, lr: float, seed: int) -> dict:
+        args = self.args
+        budget = None if arm == "multi" else self.trained("multi", lr, seed)["tokens"]
+        folder = self.out / f"{arm}-lr{lr:g}-s{seed}"
+        spec = {**self.task, "sft": args.sft, "rollouts": args.rollouts, "batch": args.batch, "n": args.n,
+                "arm": arm, "lr": lr, "seed": seed, "budget": budget}  # fmt: skip
+        done = self.cells.run(
+            f"train-{folder.name}",
+            lambda: train(args, arm, lr, seed, budget, folder),
+            spec=spec,
+            valid=lambda _: (folder / "policy" / "config.json").exists(),
+        )
+        return done | {"dir": str(folder)}
+
+    def evaluated(self, key: str, policy: str, split: str, arm: str) -> dict:
+        prompts = self.prompts[split]
+        spec = {**self.task, "arm": arm, "policy": policy,
+                "written": (Path(policy) / "config.json").stat().st_mtime,  # a retrained policy: again
+                "prompts": {"split": split, "count": len(prompts),
+                            "sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest()}}  # fmt: skip
+        return self.cells.run(key, lambda: evaluate(self.args, policy, prompts, arm), spec=spec)
+
+    def controls(self) -> dict:
+        return {
+            f"{name}_in_{arm}": self.evaluated(f"control-{name}-{arm}", path, "test", arm)
+            for name, path in (("sft", self.args.sft), ("sft_single", self.args.sft_single))
+            for arm in (("single", "multi") if path else ())
         }
 
-    chosen = {}
-    for arm in ("multi", "single"):  # selection on validation prompts, first seed
+    def select(self, arm: str) -> dict:
+        """The lr of ``arm`` with the best validation gold (first seed)."""
         scores = {}
-        for lr in args.lrs:
-            info = run(arm, lr, args.seeds[0])
-            val_stats = cached(
-                Path(info["dir"]) / "val.json", evaluate, args, f"{info['dir']}/policy", val, arm
-            )
-            scores[lr] = val_stats["gold"]
+        for lr in self.args.lrs:
+            info = self.trained(arm, lr, self.args.seeds[0])
+            key = f"eval-{arm}-lr{lr:g}-s{self.args.seeds[0]}-val"
+            scores[lr] = self.evaluated(key, f"{info['dir']}/policy", "val", arm)["gold"]
             print(
                 f"selection {arm} lr={lr:g}: val gold {scores[lr]:.3f} (tokens {info['tokens']})", flush=True
             )
-        chosen[arm] = max(scores, key=scores.get)
-        report["selection"][arm] = {"val_gold": {f"{k:g}": v for k, v in scores.items()}, "lr": chosen[arm]}
-    if select_only:
-        return report
+        chosen = max(scores, key=scores.get)
+        return {"val_gold": {f"{k:g}": v for k, v in scores.items()}, "lr": chosen}
 
-    for seed in args.seeds:
-        for arm in ("multi", "single"):
-            info = run(arm, chosen[arm], seed)
-            policy = f"{info['dir']}/policy"
-            row = {"arm": arm, "seed": seed, "lr": chosen[arm], **info}
-            row |= cached(Path(info["dir"]) / "test.json", evaluate, args, policy, test, arm)
-            if arm == "single":  # the single-turn policy inside the environment (a control)
-                row["in_environment"] = cached(
-                    Path(info["dir"]) / "test-in-multi.json", evaluate, args, policy, test, "multi"
-                )
-            report["runs"].append(row)
-            print(
-                {k: row[k] for k in ("arm", "seed", "lr", "tokens", "rollouts", "gold", "turns")}, flush=True
-            )
+    def tested(self, arm: str, lr: float, seed: int) -> dict:
+        info = self.trained(arm, lr, seed)
+        policy, name = f"{info['dir']}/policy", f"eval-{arm}-lr{lr:g}-s{seed}-test"
+        row = {"arm": arm, "seed": seed, "lr": lr, **info} | self.evaluated(name, policy, "test", arm)
+        if arm == "single":  # the single-turn policy inside the environment (a control)
+            row["in_environment"] = self.evaluated(f"{name}-in-multi", policy, "test", "multi")
+        print({k: row[k] for k in ("arm", "seed", "lr", "tokens", "rollouts", "gold", "turns")}, flush=True)
+        return row
+
+
+def run_campaign(args, val: list[str], test: list[str], *, select_only: bool = False) -> dict:
+    """The controls, the lr selection per arm, then every seed of each arm at its chosen lr: each a cell."""
+    campaign = Campaign(args, val, test)
+    report: dict = {"args": vars(args), "selection": {}, "runs": [], "controls": {}}
+    report["controls"] = {} if select_only else campaign.controls()
+    report["selection"] = {arm: campaign.select(arm) for arm in ("multi", "single")}
+    if not select_only:
+        lrs = {arm: report["selection"][arm]["lr"] for arm in ("multi", "single")}
+        report["runs"] = [
+            campaign.tested(arm, lrs[arm], s) for s in args.seeds for arm in ("multi", "single")
+        ]
     return report
 
 

@@ -118,14 +118,38 @@ def test_a_training_cell_reuses_a_finished_run_with_the_same_command(tmp_path):
 
     first = harness.fit_once(tmp_path, ["fit", "--config", "a.yaml"], {"arm": "grpo"}, extra_s=2.0, run=run)
     again = harness.fit_once(tmp_path, ["fit", "--config", "a.yaml"], {"arm": "grpo"}, run=run)
-    assert again == first and len(calls) == 1 and first["fit_s"] >= 2.0
+    assert again == first and len(calls) == 1 and first["fit_s"] >= 2.0  # the same argv: read back
     assert list(first) == ["arm", "argv", "policy", "fit_s"]
+    assert first["argv"] == ["fit", "--config", "a.yaml"] and first["policy"] == str(tmp_path / "policy")
+    cell = json.loads((tmp_path / "cells" / "fit.json").read_text())  # a harness cell, no record of its own
+    assert cell["spec"] == {"argv": ["fit", "--config", "a.yaml"]} and cell["result"] == first
+    assert not (tmp_path / "run.json").exists()
     harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
     assert len(calls) == 2  # another command line: trained again
-    assert (tmp_path / "cells" / "fit.json").exists()  # a harness cell, not a record of its own
+    harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
+    assert len(calls) == 2
     (tmp_path / "policy" / "config.json").unlink()
     harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)
     assert len(calls) == 3  # the same command, but its export is gone: trained again
+    assert harness.fit_once(tmp_path, ["fit", "--config", "b.yaml"], run=run)["argv"][-1] == "b.yaml"
+    assert len(calls) == 3
+
+
+def test_a_training_cell_that_fails_is_run_again(tmp_path):
+    """A run that stops before its export exists leaves no cell: the next call trains."""
+    calls = []
+
+    def run(argv):
+        calls.append(argv)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # stopped mid-run
+        (tmp_path / "policy").mkdir(exist_ok=True)
+        (tmp_path / "policy" / "config.json").write_text("{}")
+
+    with pytest.raises(KeyboardInterrupt):
+        harness.fit_once(tmp_path, ["fit"], run=run)
+    assert not (tmp_path / "cells" / "fit.json").exists()
+    assert harness.fit_once(tmp_path, ["fit"], run=run)["argv"] == ["fit"] and len(calls) == 2
 
 
 def test_paper_stages_are_made_once_in_order(tmp_path):
@@ -144,19 +168,25 @@ def test_paper_stages_are_made_once_in_order(tmp_path):
         harness.prepare(stages, run=ran.append, make=False, hint="run --prepare")
 
 
-def test_cached_results_are_cells_computed_per_spec(tmp_path):
-    calls = []
-    make = lambda x: calls.append(x) or {"x": x}  # noqa: E731
-    assert (
-        harness.cached(tmp_path / "c.json", make, 3)
-        == {"x": 3}
-        == harness.cached(tmp_path / "c.json", make, 3)
-    )
-    assert calls == [3]  # computed once
-    assert harness.cached(tmp_path / "c.json", make, 4) == {"x": 4} and calls == [3, 4]  # another argument
-    assert harness.cached(tmp_path / "c.json", make, 5, spec="fixed") == {"x": 5}
-    assert harness.cached(tmp_path / "c.json", make, 6, spec="fixed") == {"x": 5}  # the spec decides
-    assert (tmp_path / "cells" / "c.json").exists()
+def test_a_cell_whose_files_are_gone_is_computed_again(tmp_path):
+    """``Cells.run(valid=)``: a record whose spec matches is used only while what it names still exists; with
+    a settings dict as the spec (what a script's cells name), a changed setting computes again."""
+    cells, calls = harness.Cells(tmp_path), []
+
+    def compute(x):
+        calls.append(x)
+        (tmp_path / f"out{x}").write_text("")
+        return {"x": x, "file": str(tmp_path / f"out{x}")}
+
+    def cell(x):
+        return cells.run("c", lambda: compute(x), spec={"x": x}, valid=lambda r: Path(r["file"]).exists())
+
+    assert cell(3) == {"x": 3, "file": str(tmp_path / "out3")} == cell(3) and calls == [3]
+    assert cell(4)["x"] == 4 and calls == [3, 4]  # another setting
+    (tmp_path / "out4").unlink()
+    assert cell(4)["x"] == 4 and calls == [3, 4, 4]  # the same setting, its file gone
+    assert cells.latest("c") == {"x": 4, "file": str(tmp_path / "out4")}
+    assert not hasattr(harness, "cached")  # one kind of record: the cells
 
 
 def test_a_failing_alignlit_run_names_itself_and_its_log(tmp_path):

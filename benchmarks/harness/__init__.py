@@ -471,22 +471,6 @@ def run_alignlit(name: str, argv: list[str], cwd: Path, log: Path, env: dict | N
     return elapsed
 
 
-def cached(path: Path, make, *make_args, spec=None):
-    """``make(*make_args)``'s JSON result as a cell of ``Cells(path.parent)`` named ``path.stem``, computed
-    once per ``spec`` (default: the arguments, as JSON with ``str`` for anything else): a changed argument
-    computes it again."""
-    if spec is None:
-        spec = hashlib.sha256(json_text(make_args).encode()).hexdigest()
-    return Cells(Path(path).parent).run(Path(path).stem, lambda: make(*make_args), spec=spec)
-
-
-def json_text(value) -> str:
-    """``value`` as canonical JSON (sorted keys, ``str`` of what JSON cannot hold)."""
-    import json
-
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def quickstart_stages(root: Path) -> list[tuple]:
     """``(done marker, alignlit argv)`` of the quickstart's shared stages as a checkout at ``root`` runs
     them (relative paths, run with ``cwd=root``): the simulated data, SFT, the reward model."""
