@@ -206,6 +206,7 @@ def fit(args, stage: str, engine: str, k: int, seed: int, threads: int = 1) -> d
             "first_step_s": steps[0]["seconds"],
             "phases_s": {name: sum(s[name] for s in steady) / len(steady) for name in PHASES},
             "staleness": [s["staleness"] for s in steps], "policy": str(run / "policy"),
+            "reward_curve": [h.get("reward/raw") for h in history],
             "token_staleness_mean": (
                 sum(s["token_staleness"] for s in steady) / len(steady)
                 if all(s["token_staleness"] is not None for s in steady) else None

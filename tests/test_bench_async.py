@@ -46,6 +46,26 @@ def test_table_speedups_ceiling_and_histogram():
     assert "| grpo | hf | 1 | 1 | 125.0 ± 7.1 | 1.19× | 0.89× (2 threads) | 1.33× |" in text
 
 
+def test_reward_lag_in_rollouts():
+    """k = 0's seed-mean training reward rises 0.5 per rollout (0.1, 0.6, 1.1, 1.6); k = 1's seed mean is the
+    same line one rollout later (-0.4, 0.1, 0.6, 1.1): the mean gap 0.5 over the slope 0.5 is 1 rollout."""
+    base = [
+        {**record(0, 0, 100.0), "reward_curve": [0.0, 0.5, 1.0, 1.5]},
+        {**record(0, 1, 100.0), "reward_curve": [0.2, 0.7, 1.2, 1.7]},
+        {**record(0, 0, 140.0, threads=2), "reward_curve": [0.0, 0.0, 0.0, 0.0]},  # not k = 0's base
+    ]
+    late = [
+        {**record(1, 0, 120.0), "reward_curve": [-0.4, 0.0, 0.6, 1.0]},
+        {**record(1, 1, 120.0), "reward_curve": [-0.4, 0.2, 0.6, 1.2]},
+    ]
+    rows = {(r["k"], r["threads"]): r for r in bench_async.table(base + late)}
+    assert rows[1, 1]["reward_lag"] == pytest.approx((0.85 - 0.35) / 0.5)  # seed means 0.85 and 0.35
+    assert rows[0, 1]["reward_lag"] is None  # k = 0 is the base
+    assert "| 2 | 1.0 | 0: 8 |" in bench_async.format_table([rows[1, 1]])
+    assert bench_async.reward_lag([1.0, 1.0], [2.0, 1.0]) is None  # a base that does not rise
+    assert bench_async.reward_lag(None, [0.0, 1.0]) is None
+
+
 def test_collect_takes_the_evaluated_runs_of_the_asked_size(tmp_path):
     def write(name, rec, evaluation):
         cells = Cells(tmp_path / name)  # the cells bench_async's fit and evaluate leave

@@ -19,11 +19,37 @@ SYNC_BASE = {"grpo-partial": "grpo", "grpo-long-partial": "grpo-long"}
 their speed-up's base and overlap ceiling."""
 
 
+def seed_mean_curve(runs: list[dict]) -> list[float] | None:
+    """The runs' training reward per rollout (``reward_curve``), averaged over seeds; None when a run has none."""
+    curves = [r.get("reward_curve") for r in runs]
+    if not curves or any(c is None for c in curves):
+        return None
+    return [sum(values) / len(values) for values in zip(*curves, strict=False)]
+
+
+def reward_lag(curve: list[float] | None, base: list[float] | None) -> float | None:
+    """How many rollouts ``curve`` (training reward per rollout) trails ``base`` (k = 0's): the mean gap
+    ``mean(base - curve)`` over their common rollouts divided by ``base``'s least-squares slope per rollout.
+    0 when they learn at the same pace, 1 when ``curve`` is ``base`` one rollout later (on a straight line).
+    None without both curves or when ``base`` does not rise."""
+    if not curve or not base:
+        return None
+    n = min(len(curve), len(base))
+    curve, base = curve[:n], base[:n]
+    x_mean, y_mean = (n - 1) / 2, sum(base) / n
+    var = sum((x - x_mean) ** 2 for x in range(n))
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in enumerate(base)) / var if var else 0.0
+    if slope <= 0:
+        return None
+    return (y_mean - sum(curve) / n) / slope
+
+
 def table(records: list[dict]) -> list[dict]:
     """One row per (stage, engine, k, trainer threads): means (± std) over its seeds. The speed-up is against
     k = 0 with one thread, ``speedup_vs_sync_threads`` against k = 0 with the most trainer threads run
     (``sync_threads``; None without such a run); ``ceiling`` is the speed-up of a perfect overlap of that synchronous run's two
-    phases, (rollout + train) / max(rollout, train) per step, what k >= 1 can reach at best."""
+    phases, (rollout + train) / max(rollout, train) per step, what k >= 1 can reach at best; ``reward_lag``
+    is how many rollouts its seed-mean training reward trails k = 0's (:func:`reward_lag`)."""
     rows = []
     for stage, engine, k, threads in sorted(
         {(r["stage"], r["engine"], r["k"], r["threads"]) for r in records}
@@ -62,6 +88,8 @@ def table(records: list[dict]) -> list[dict]:
             "cores_used": mean_std([r["cores_used"] for r in runs])[0],
             "phases_s": {name: mean_std([r["phases_s"][name] for r in runs])[0] for name in PHASES},
             "gold": mean_std(gold), "kl": mean_std(kl), "gold_seeds": len(gold),
+            "reward_curve": seed_mean_curve(runs),
+            "reward_lag": reward_lag(seed_mean_curve(runs), seed_mean_curve(base)) if k else None,
             "staleness_histogram": dict(sorted(histogram.items())),
             "token_staleness_mean": mean_std([r["token_staleness_mean"] for r in runs])[0]
             if all(r.get("token_staleness_mean") is not None for r in runs) else None,
@@ -73,8 +101,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [
         "| stage | engine | k | trainer threads | samples/s (steady) | speed-up vs k = 0 | vs k = 0 on all threads | "
         "overlap ceiling | samples/s (whole run) | trainer waits | generate / score / train s per step | cores used | "
-        "gold (test) | KL to SFT | seeds | staleness of trained steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "gold (test) | KL to SFT | seeds | training reward behind k = 0 (rollouts) | staleness of trained steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         phases = r["phases_s"]
@@ -90,6 +118,8 @@ def format_table(rows: list[dict]) -> str:
             + f" | {r['samples_per_s_all']:.1f} | {100 * r['wait_share']:.0f}% | "
             f"{phases['generate_s']:.3f} / {phases['score_s']:.3f} / {phases['train_s']:.3f} | {r['cores_used']:.2f} | "
             f"{pm(*r['gold'])} | {pm(*r['kl'], 2)} | {r['gold_seeds']} | "
+            + ("" if r.get("reward_lag") is None else f"{r['reward_lag']:.1f}")
+            + " | "
             + ", ".join(f"{s}: {c}" for s, c in r["staleness_histogram"].items())
             + (
                 ""
@@ -107,7 +137,20 @@ def plot(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), width_ratios=[1.4, 1])
+    curves = [r for r in rows if r.get("reward_curve") and r["threads"] == 1]
+    fig, axes = plt.subplots(
+        1,
+        3 if curves else 2,
+        figsize=(19 if curves else 13, 3.8),
+        width_ratios=[1.4, 1, 1][: 3 if curves else 2],
+    )
+    for r in curves:
+        axes[2].plot(
+            range(1, len(r["reward_curve"]) + 1), r["reward_curve"], label=f"{r['stage']} k = {r['k']}"
+        )
+    if curves:
+        axes[2].set(xlabel="rollout", ylabel="training reward (seed mean)", title="learning per rollout")
+        axes[2].legend(fontsize=7)
     for stage, engine in sorted({(r["stage"], r["engine"]) for r in rows}):
         mine = [r for r in rows if (r["stage"], r["engine"]) == (stage, engine) and r["threads"] == 1]
         (line,) = axes[0].plot([r["k"] for r in mine], [r["samples_per_s"] for r in mine], marker="o",
@@ -131,8 +174,9 @@ def plot(rows: list[dict], out: Path) -> None:
     axes[1].set(
         xlabel="max_staleness k", ylabel="gold reward (test prompts)", title="quality at equal samples"
     )
-    for ax in axes:
+    for ax in axes[:2]:
         ax.set_xticks(sorted({r["k"] for r in rows}))
+    for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the crowded axes
     axes[1].legend(fontsize=7)
