@@ -48,7 +48,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Cells, config_args, fit_once, paper_stages, write_results
 from harness import prepare as harness_prepare
-from harness.quality import cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = "paper"  # the scale: config_args(name, CONFIGS) is the paper-scale stack of run `name`
@@ -190,7 +189,7 @@ def sft_samples(args, prompts: list[str]) -> tuple[list, float]:
         write_jsonl([g.to_record() for g in groups], out)
         return {"seconds": time.perf_counter() - start, "groups": len(groups)}
 
-    record = cell(Cells(args.out), "sft-samples", sample, spec, out)
+    record = Cells(args.out).run("sft-samples", sample, spec, valid=lambda _: out.exists())
     return read_ranked(out), record["seconds"]
 
 

@@ -65,7 +65,7 @@ from harness import (
     run_alignlit,
     write_results,
 )
-from harness.quality import ROOT, TINY_DATA, cell, fit_command, out_prefix, stage_cells
+from harness.quality import ROOT, TINY_DATA, fit_command, out_prefix, stage_cells
 
 
 @dataclass(frozen=True)
@@ -407,8 +407,9 @@ class Runner:
             return {"fit_s": fit_s}
 
         try:
-            done = cell(
-                self.cells, f"fit-{row}-seed{seed}", train, self.same(row, seed), self.export_of(row, seed)
+            export = self.export_of(row, seed)
+            done = self.cells.run(
+                f"fit-{row}-seed{seed}", train, self.same(row, seed), valid=lambda _: export.exists()
             )
         except RuntimeError as err:
             self.failed[f"{row}/seed{seed}"] = str(err)

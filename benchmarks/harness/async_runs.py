@@ -4,6 +4,7 @@ overlap ceiling, its markdown and plot, and ``--collect``'s finished runs."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from harness import Cells, mean_std, pm
@@ -35,13 +36,10 @@ def reward_lag(curve: list[float] | None, base: list[float] | None) -> float | N
     if not curve or not base:
         return None
     n = min(len(curve), len(base))
-    curve, base = curve[:n], base[:n]
-    x_mean, y_mean = (n - 1) / 2, sum(base) / n
-    var = sum((x - x_mean) ** 2 for x in range(n))
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in enumerate(base)) / var if var else 0.0
+    slope = statistics.linear_regression(range(n), base[:n]).slope if n > 1 else 0.0
     if slope <= 0:
         return None
-    return (y_mean - sum(curve) / n) / slope
+    return (statistics.fmean(base[:n]) - statistics.fmean(curve[:n])) / slope
 
 
 def table(records: list[dict]) -> list[dict]:
@@ -74,6 +72,7 @@ def table(records: list[dict]) -> list[dict]:
         for r in runs:
             for s in r["staleness"]:
                 histogram[int(s)] = histogram.get(int(s), 0) + 1
+        curve = seed_mean_curve(runs)
         gold = [r["eval"]["gold"] for r in runs if "eval" in r]
         kl = [r["eval"]["kl_to_reference"] for r in runs if "eval" in r]
         rows.append({
@@ -88,8 +87,7 @@ def table(records: list[dict]) -> list[dict]:
             "cores_used": mean_std([r["cores_used"] for r in runs])[0],
             "phases_s": {name: mean_std([r["phases_s"][name] for r in runs])[0] for name in PHASES},
             "gold": mean_std(gold), "kl": mean_std(kl), "gold_seeds": len(gold),
-            "reward_curve": seed_mean_curve(runs),
-            "reward_lag": reward_lag(seed_mean_curve(runs), seed_mean_curve(base)) if k else None,
+            "reward_curve": curve, "reward_lag": reward_lag(curve, seed_mean_curve(base)) if k else None,
             "staleness_histogram": dict(sorted(histogram.items())),
             "token_staleness_mean": mean_std([r["token_staleness_mean"] for r in runs])[0]
             if all(r.get("token_staleness_mean") is not None for r in runs) else None,

@@ -181,14 +181,6 @@ TINY_ROLLOUTS = 2  # rollouts of online stages with --tiny
 # --- cells ----------------------------------------------------------------------------------------
 
 
-def cell(cells: Cells, key: str, compute, spec, output: str | Path | None = None):
-    """``cells.run(key, compute, spec)``, computed again when ``output`` (a file the cell writes beside its
-    record: a run's export, a stage's data) is missing."""
-    if output is not None and not Path(output).exists():
-        cells.path(key).unlink(missing_ok=True)
-    return cells.run(key, compute, spec)
-
-
 def stage_cells(cells: Cells, steps: list[tuple], run, *, make: bool = True) -> dict:
     """Shared stages in order, one cell each (``shared-<name>``): ``steps`` is ``[(name, argv, output)]``
     (``output``: a file the stage writes, or None) and ``run(name, argv)`` runs one, returning its seconds.
@@ -206,8 +198,11 @@ def stage_cells(cells: Cells, steps: list[tuple], run, *, make: bool = True) -> 
                 left.append(name)
                 continue
         else:
-            record = cell(
-                cells, key, lambda n=name, a=argv: {"s": run(n, a), "stamp": time.time()}, spec, output
+            record = cells.run(
+                key,
+                lambda n=name, a=argv: {"s": run(n, a), "stamp": time.time()},
+                spec,
+                valid=lambda _, o=output: o is None or Path(o).exists(),
             )
         times[name], stamp = record["s"], record["stamp"]
     times["stamp"] = stamp
@@ -487,7 +482,8 @@ class Bench:
             return {"fit_s": elapsed, **same, "stamp": time.time()}
 
         key = self.cell_key("fit", method.name, setting, seed)
-        return path / export, cell(self.cells, key, train, same, path / export / "alignlit.json")
+        done = self.cells.run(key, train, same, valid=lambda _: (path / export / "alignlit.json").exists())
+        return path / export, done
 
     # evaluation
 

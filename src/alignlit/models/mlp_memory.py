@@ -40,8 +40,6 @@ class _Recipe:
     act: nn.Module
     g: torch.Tensor
     u: torch.Tensor | None
-    numel: int
-    dtype: torch.dtype
     offset: int
 
     def value(self) -> torch.Tensor:
@@ -110,8 +108,8 @@ class _GatedMLPHooks:
     # --- saved-tensor hooks, pushed for the MLP's forward ------------------------------------------
     def pack(self, t: torch.Tensor):
         if type(t) is torch.Tensor and self.marks:
-            recipe, _ = self.marks.get(t.untyped_storage().data_ptr(), (None, None))
-            if recipe is not None and t.dtype == recipe.dtype and t.numel() <= recipe.numel:
+            recipe, marked = self.marks.get(t.untyped_storage().data_ptr(), (None, None))
+            if recipe is not None and t.dtype == marked.dtype and t.numel() <= marked.numel():
                 return _Saved(recipe, t.shape, t.stride(), t.storage_offset())
         return t
 
@@ -185,7 +183,7 @@ class _GatedMLPHooks:
         self.marks.clear()  # ``h`` is kept by down_proj (or replaced by its recipe) from here on
 
     def mark(self, t: torch.Tensor, u: torch.Tensor | None) -> None:
-        recipe = _Recipe(self.mlp.act_fn, self.g, u, t.numel(), t.dtype, t.storage_offset())
+        recipe = _Recipe(self.mlp.act_fn, self.g, u, t.storage_offset())
         self.marks[t.untyped_storage().data_ptr()] = (recipe, t)
 
 
