@@ -40,29 +40,27 @@ class Judge(BaseHTTPRequestHandler):
             time.sleep(0.05)
             if "slow" in text:
                 time.sleep(2.0)
-            if "flaky" in text and text not in st["flaky_seen"]:
-                st["flaky_seen"].add(text)
-                self.send_response(503)
-                self.end_headers()
-                self.wfile.write(b"busy")
-                return
-            answer = (
-                "Reasoning... Score: 9" if "good" in text else "Score: 2 (bad)" if "bad" in text
-                else "Score: 99" if "huge" in text else "I cannot grade this." if "junk" in text else "Score: 5"
-            )  # fmt: skip
-            if "ref=" in text:
-                answer = f"Score: {text.split('ref=')[1][0]}"
-            payload = json.dumps(
-                {"choices": [{"message": {"role": "assistant", "content": answer}}]}
-            ).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
         finally:
-            with self.lock:
+            with self.lock:  # done before answering: the client's next request cannot overlap this one
                 st["inflight"] -= 1
+        if "flaky" in text and text not in st["flaky_seen"]:
+            st["flaky_seen"].add(text)
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"busy")
+            return
+        answer = (
+            "Reasoning... Score: 9" if "good" in text else "Score: 2 (bad)" if "bad" in text
+            else "Score: 99" if "huge" in text else "I cannot grade this." if "junk" in text else "Score: 5"
+        )  # fmt: skip
+        if "ref=" in text:
+            answer = f"Score: {text.split('ref=')[1][0]}"
+        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
 
 @pytest.fixture
